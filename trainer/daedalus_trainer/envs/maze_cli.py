@@ -1,0 +1,90 @@
+"""``daedalus maze``: generate one maze, write its picture, print its map and shortest solution.
+
+Example::
+
+    daedalus maze --size 9 --seed 3 --out maze.png
+    python -m daedalus_trainer.envs.maze_cli --size 9 --seed 3 --out maze.png
+
+The maze is ``maze_from_seed(size, seed)``, the same one ``Maze2DEnv(size).reset(seed=seed)`` starts with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from PIL import Image
+
+from .actions import ACTION_FORMATS, STOP, format_action
+from .maze import maze_from_seed, render_ascii, render_rgb, solve
+
+
+def run(size: int, seed: int, out: str | None, cell_px: int = 25, action_format: str = "function") -> int:
+    """Generate ``maze_from_seed(size, seed)``; print it and its solution; write a PNG when ``out`` is given.
+
+    Prints to stdout: a summary line (size, seed, layout hash, start, goal, shortest path length), the
+    text map (:func:`~daedalus_trainer.envs.maze.render_ascii`, agent on the start), then the shortest
+    solution in ``action_format``, one action per line, ending with stop (the VisGym success rule).
+
+    Args:
+        size: odd, >= 5, walls included.
+        seed: generator seed (any non-negative int).
+        out: PNG path (parent folders are created), or None for no picture.
+        cell_px: pixels per cell (>= 4).
+        action_format: ``function``, ``tuple`` or ``tag``.
+
+    Returns:
+        0 on success; 2 for invalid arguments (the reason goes to stderr); 1 when the PNG cannot be written.
+    """
+    try:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        maze = maze_from_seed(size, seed)
+        image = render_rgb(maze, maze.start, cell_px)
+        moves = solve(maze)
+        lines = [format_action(move, action_format) for move in moves] + [format_action(STOP, action_format)]
+    except ValueError as err:
+        print(f"daedalus maze: {err}", file=sys.stderr)
+        return 2
+    print(
+        f"Maze {maze.size}x{maze.size}, seed {seed}, layout {maze.layout_hash()}, start {maze.start}, "
+        f"goal {maze.goal}, shortest path {len(moves)} moves"
+    )
+    print(render_ascii(maze, maze.start))
+    print(f"Solution ({len(moves)} moves, then stop):")
+    print("\n".join(lines))
+    if out is not None:
+        path = Path(out)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image, mode="RGB").save(path, format="PNG")
+        except OSError as err:
+            print(f"daedalus maze: cannot write {path}: {err}", file=sys.stderr)
+            return 1
+        print(f"Wrote {path} ({image.shape[1]}x{image.shape[0]} px)")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--size --seed --out --cell-px --action-format`` to ``parser`` (for the ``daedalus`` CLI)."""
+    parser.add_argument("--size", type=int, default=9, help="odd side length in cells, walls included (default 9)")
+    parser.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    parser.add_argument("--out", default=None, help="write the picture to this PNG file")
+    parser.add_argument("--cell-px", type=int, default=25, help="pixels per cell (default 25, as VisGym)")
+    parser.add_argument(
+        "--action-format", choices=ACTION_FORMATS, default="function", help="syntax of the printed solution"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit code of :func:`run`."""
+    parser = argparse.ArgumentParser(prog="daedalus maze", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run(args.size, args.seed, args.out, cell_px=args.cell_px, action_format=args.action_format)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
