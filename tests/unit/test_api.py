@@ -1,0 +1,185 @@
+"""The RLTrainingJob API: pydantic models, the generated CRD, the examples, and the CEL rules.
+
+Real parts: the checked-in CRD YAML, jsonschema validation against its openAPIV3Schema, and the CEL rules evaluated by
+a CEL interpreter (cel-python) on objects defaulted the way the API server defaults them.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import celpy
+import jsonschema
+import pytest
+import yaml
+
+from daedalus_trainer import config as c
+from daedalus_trainer import crd
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict:
+    doc = yaml.safe_load((ROOT / "crds" / "rltrainingjob.yaml").read_text())
+    return doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _cel_eval(rule: c.CelRule, obj: dict) -> bool:
+    env = celpy.Environment()
+    target = obj
+    for part in rule.path.split("."):
+        target = target[part]
+    program = env.program(env.compile(rule.rule))
+    return bool(program.evaluate({"self": celpy.json_to_cel(target)}))
+
+
+def _invalid_reasons(schema: dict, obj: dict) -> list[str]:
+    validator = jsonschema.Draft4Validator(schema)
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+
+
+def test_checked_in_crd_matches_generator():
+    assert (ROOT / "crds" / "rltrainingjob.yaml").read_text() == crd.render()
+
+
+def test_daedalus_crd_prints_the_same_bytes():
+    out = subprocess.run([sys.executable, "-m", "daedalus_trainer", "crd"], capture_output=True, text=True, check=True)
+    assert out.stdout == (ROOT / "crds" / "rltrainingjob.yaml").read_text()
+
+
+def test_crd_shape():
+    body = crd.crd()
+    spec = body["spec"]
+    assert body["metadata"]["name"] == "rltrainingjobs.daedalus.dev"
+    assert spec["names"]["shortNames"] == ["rltj"]
+    assert "all" in spec["names"]["categories"]
+    version = spec["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = {col["name"]: col["jsonPath"] for col in version["additionalPrinterColumns"]}
+    assert columns == {
+        "Phase": ".status.phase", "Step": ".status.currentStep", "Total": ".status.totalSteps",
+        "Success": ".status.metrics.successRate", "Restarts": ".status.restarts", "Age": ".metadata.creationTimestamp",
+    }
+
+
+def _walk(node, path=""):
+    yield path, node
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, f"{path}/{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk(v, f"{path}/{i}")
+
+
+def test_schema_is_structural(schema):
+    """No JSON-schema constructs that a structural schema forbids; every property has a type and a description."""
+    for path, node in _walk(schema):
+        if isinstance(node, dict):
+            assert "$ref" not in node and "anyOf" not in node and "const" not in node, path
+            if path.endswith(("/properties/spec", "/properties/status")) or "/properties/spec/properties/" in path:
+                if "/properties/" in path and not path.endswith("/items") and "x-kubernetes-validations" not in path:
+                    if path.split("/")[-2] == "properties":
+                        assert "type" in node, f"{path} has no type"
+                        assert node.get("description"), f"{path} has no description"
+
+
+def test_defaults_match_pydantic(schema):
+    """The API server's defaults (structural defaulting) produce the same spec as the trainer's pydantic defaults."""
+    minimal = {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": "x"}, "spec": {"model": {"tiny": True}}}
+    defaulted = crd.apply_defaults(schema, minimal)
+    from_pydantic = c.parse_job(minimal).to_manifest()["spec"]
+    assert defaulted["spec"] == from_pydantic
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_validate(schema, path):
+    obj = yaml.safe_load(path.read_text())
+    assert _invalid_reasons(schema, obj) == []
+    c.parse_job(obj)
+    defaulted = crd.apply_defaults(schema, obj)
+    for rule in c.CEL_RULES:
+        assert _cel_eval(rule, defaulted), rule.rule
+
+
+def _local() -> dict:
+    return yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
+
+
+def _set(obj: dict, dotted: str, value) -> dict:
+    obj = copy.deepcopy(obj)
+    node = obj
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return obj
+
+
+INVALID = [
+    # (change, field path in the error, reason fragment, rejected by the CRD schema or by CEL)
+    ("spec.environment.size", 8, "spec.environment.size", "odd", "cel"),
+    ("spec.lora.targetModules", ["q_proj", "attn.qkv"], "spec.lora.targetModules", "vision", "cel"),
+    ("spec.lora.targetModules", ["visual.blocks.0.mlp.linear_fc1"], "spec.lora.targetModules", "vision", "cel"),
+    ("spec.algorithm.steps", -3, "spec.algorithm.steps", "greater than or equal to 1", "schema"),
+    ("spec.algorithm.groupSize", 1, "spec.algorithm.groupSize", "greater than or equal to 2", "schema"),
+    ("spec.environment.actionFormat", "json", "spec.environment.actionFormat", "'function'", "schema"),
+    ("spec.model.tiny", False, "spec.cluster.workerGroups", "gpusPerWorker", "cel"),
+]
+
+
+@pytest.mark.parametrize("dotted,value,path,fragment,where", INVALID, ids=[f"{d}={v}" for d, v, *_ in INVALID])
+def test_invalid_specs_rejected_with_field_path(schema, dotted, value, path, fragment, where):
+    obj = _set(_local(), dotted, value)
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(obj)
+    paths = [p for p, _ in info.value.errors]
+    assert path in paths, info.value.errors
+    assert any(fragment in m for p, m in info.value.errors if p == path), info.value.errors
+    # The API server rejects the same object: by the schema, or by a CEL rule.
+    defaulted = crd.apply_defaults(schema, obj)
+    schema_errors = _invalid_reasons(schema, defaulted)
+    if where == "schema":
+        assert schema_errors, "the CRD schema should reject this"
+    else:
+        assert not schema_errors
+        assert not all(_cel_eval(rule, defaulted) for rule in c.CEL_RULES)
+
+
+def test_every_error_is_reported_at_once():
+    obj = _set(_set(_set(_local(), "spec.environment.size", 8), "spec.algorithm.steps", -1),
+               "spec.lora.targetModules", ["qkv"])
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(obj)
+    assert {p for p, _ in info.value.errors} == {
+        "spec.environment.size", "spec.algorithm.steps", "spec.lora.targetModules"}
+
+
+def test_unknown_field_is_an_error():
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(_set(_local(), "spec.algorithm.groupSzie", 4))
+    assert ("spec.algorithm.groupSzie", "Extra inputs are not permitted") in info.value.errors
+
+
+def test_validate_cli_reports_paths(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_set(_local(), "spec.environment.size", 10)))
+    out = subprocess.run([sys.executable, "-m", "daedalus_trainer", "validate", str(bad)], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "spec.environment.size" in out.stdout and "odd" in out.stdout
+    ok = subprocess.run([sys.executable, "-m", "daedalus_trainer", "validate", str(EXAMPLES[0])],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_malformed_yaml_is_a_spec_error(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("spec: [unclosed\n")
+    with pytest.raises(c.SpecError) as info:
+        c.load_job(f)
+    assert info.value.errors[0][0] == "(yaml)"

@@ -1,0 +1,200 @@
+"""The `daedalus` command line.
+
+Every subcommand imports what it needs when it runs, so `daedalus validate` and `daedalus crd` work in the operator image
+(no torch) and start in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from daedalus_trainer import __version__
+
+DESCRIPTION = """\
+Daedalus: RL post-training (GRPO + LoRA) of vision-language agents on visual mazes, on Kubernetes or on a laptop.
+
+  daedalus run examples/local-tiny.yaml     run a job locally on CPU (SFT -> GRPO -> evaluation), resumable
+  daedalus validate job.yaml                check a job against the API, every error with its field path
+  daedalus maze --size 9 --seed 3 --out m.png   render a maze and print its solution
+  daedalus operator                          run the Kubernetes operator (kopf)
+"""
+
+
+def _cmd_crd(args: argparse.Namespace) -> int:
+    from daedalus_trainer.crd import render
+
+    text = render()
+    if args.out:
+        for out in args.out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from daedalus_trainer.config import SpecError, load_job
+
+    console = Console(stderr=False, highlight=False, soft_wrap=True)
+    status = 0
+    for f in args.files:
+        try:
+            job = load_job(f)
+        except FileNotFoundError:
+            console.print(f"[red]✗[/red] {f}: no such file")
+            status = 1
+            continue
+        except SpecError as exc:
+            console.print(f"[red]✗[/red] {f}: {len(exc.errors)} error(s)")
+            for path, msg in exc.errors:
+                console.print(f"    [bold]{path}[/bold]: {msg}")
+            status = 1
+            continue
+        console.print(f"[green]✓[/green] {f}: RLTrainingJob {job.metadata.name!r} is valid")
+    return status
+
+
+def _cmd_maze(args: argparse.Namespace) -> int:
+    from daedalus_trainer.envs.maze_cli import run
+
+    return run(size=args.size, seed=args.seed, out=args.out, cell_px=args.cell_px, action_format=args.action_format)
+
+
+def _load(path: str):
+    from daedalus_trainer.config import load_job
+
+    return load_job(path)
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from daedalus_trainer import sft
+
+    job = _load(args.config)
+    out = Path(args.out) if args.out else Path("runs") / job.metadata.name / "sft"
+    model_dir = sft.run_sft(job, out, resume=not args.no_resume)
+    print(f"SFT model written to {model_dir}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from daedalus_trainer import evaluation
+
+    job = _load(args.config)
+    report = evaluation.run_eval(
+        job, args.model, adapter_path=args.adapter, greedy=True, sampled=not args.greedy_only,
+        gif_dir=args.gif, n=args.mazes,
+    )
+    from rich.console import Console
+
+    Console().print(report.table())
+    if args.json:
+        Path(args.json).write_text(report.to_json())
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from daedalus_trainer import grpo
+
+    return grpo.main_train(config=args.config, resume=args.resume, out_dir=args.out)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from daedalus_trainer import local
+
+    return local.run_local(args.job, runs_dir=args.runs_dir, resume=args.resume, port=args.port)
+
+
+def _cmd_operator(args: argparse.Namespace) -> int:
+    try:
+        from daedalus_operator.main import main as operator_main
+    except ImportError as exc:  # the operator extra is not installed
+        print(f"daedalus operator needs the 'operator' extra (pip install 'daedalus[operator]'): {exc}", file=sys.stderr)
+        return 2
+    return operator_main(args.operator_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand (also used by tests and `--help`)."""
+    p = argparse.ArgumentParser(prog="daedalus", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"daedalus {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    s = sub.add_parser("run", help="run an RLTrainingJob YAML locally on CPU (SFT if needed, GRPO, evaluation)",
+                       description="Run the same YAML you would `kubectl apply`, locally: starts a local Ray, ignores "
+                       "`spec.cluster`, trains an SFT starting point if `model.sftAdapter` is absent (tiny model), runs "
+                       "GRPO with checkpoints under RUNS_DIR/<name>/, evaluates before and after on held-out mazes and "
+                       "writes report.json and curves.png. Interrupt it and run it again: it resumes.")
+    s.add_argument("job", help="RLTrainingJob YAML file")
+    s.add_argument("--runs-dir", default="runs", help="where runs/<name>/ goes (default: ./runs)")
+    s.add_argument("--resume", default="latest", help="latest (default) | none | PATH of a checkpoint")
+    s.add_argument("--port", type=int, default=int(os.environ.get("DAEDALUS_METRICS_PORT", "9400")),
+                   help="metrics/control HTTP port (0: pick a free one; default 9400)")
+    s.set_defaults(func=_cmd_run)
+
+    s = sub.add_parser("train", help="GRPO training (what the Ray job runs on a cluster)")
+    s.add_argument("--config", required=True, help="job spec as YAML or JSON (the operator's ConfigMap)")
+    s.add_argument("--resume", default="latest", help="latest (default) | none | PATH of a checkpoint")
+    s.add_argument("--out", default=None, help="override the checkpoint directory")
+    s.set_defaults(func=_cmd_train)
+
+    s = sub.add_parser("sft", help="supervised fine-tuning on solver demonstrations (the GRPO starting point)")
+    s.add_argument("config", help="RLTrainingJob YAML")
+    s.add_argument("--out", default=None, help="output directory (default runs/<name>/sft)")
+    s.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
+    s.set_defaults(func=_cmd_sft)
+
+    s = sub.add_parser("eval", help="evaluate a model (and adapter) on the held-out mazes")
+    s.add_argument("config", help="RLTrainingJob YAML (environment and eval set)")
+    s.add_argument("--model", required=True, help="model directory")
+    s.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory")
+    s.add_argument("--mazes", type=int, default=None, help="evaluate on the first N held-out mazes")
+    s.add_argument("--greedy-only", action="store_true", help="skip sampled evaluation")
+    s.add_argument("--json", default=None, help="write the report as JSON here")
+    s.add_argument("--gif", default=None, help="write animated GIFs of some episodes to this directory")
+    s.set_defaults(func=_cmd_eval)
+
+    s = sub.add_parser("validate", help="validate RLTrainingJob files (every error with its field path)")
+    s.add_argument("files", nargs="+")
+    s.set_defaults(func=_cmd_validate)
+
+    s = sub.add_parser("crd", help="print the RLTrainingJob CustomResourceDefinition generated from the API models")
+    s.add_argument("--out", action="append", help="write to this file instead of stdout (repeatable)")
+    s.set_defaults(func=_cmd_crd)
+
+    s = sub.add_parser("maze", help="render a maze to PNG and print the ASCII map and the solver's solution")
+    s.add_argument("--size", type=int, default=9, help="odd side length including walls (default 9)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default=None, help="PNG path")
+    s.add_argument("--cell-px", type=int, default=25, help="cell size in pixels (default 25, as VisGym)")
+    s.add_argument("--action-format", default="function", choices=["function", "tuple", "tag"])
+    s.set_defaults(func=_cmd_maze)
+
+    s = sub.add_parser("operator", help="run the Kubernetes operator (kopf); arguments after it go to the operator",
+                       add_help=False)
+    s.add_argument("operator_args", nargs=argparse.REMAINDER)
+    s.set_defaults(func=_cmd_operator)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `daedalus` console script. Returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a clean message for known user errors, a traceback for bugs
+        from daedalus_trainer.config import SpecError
+
+        if isinstance(exc, (SpecError, FileNotFoundError)):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise

@@ -1,0 +1,622 @@
+"""The `RLTrainingJob` API: one pydantic model that is the source of truth.
+
+The CRD's `openAPIV3Schema` (defaults, enums, ranges, descriptions and CEL `x-kubernetes-validations`) is generated
+from these classes by :mod:`daedalus_trainer.crd`; the operator and the trainer read the same models. Attribute
+docstrings become field descriptions (``use_attribute_docstrings``), so they are the user's manual: keep them exact.
+
+YAML uses camelCase (``groupSize``); Python uses snake_case (``group_size``). This module imports no torch and is safe
+for the operator image.
+
+Cross-field rules live twice on purpose: as pydantic validators (``daedalus validate``, the trainer, the operator) and as
+CEL rules in the CRD (the API server rejects an invalid object at ``kubectl apply`` time). ``CEL_RULES`` below is the
+single list both are derived from, and a test evaluates every rule with a CEL interpreter against the examples.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "daedalus.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RLTrainingJob"
+PLURAL = "rltrainingjobs"
+SINGULAR = "rltrainingjob"
+SHORT_NAMES = ["rltj"]
+
+#: Module names that live in Qwen3-VL's vision tower (``model.visual.*``: ``attn.qkv``, ``attn.proj``,
+#: ``mlp.linear_fc1/2``, the patch merger). vLLM ignores LoRA on the vision tower for Qwen3-VL, so training it would make
+#: rollout and training weights differ; such targets are rejected.
+VISION_MODULE_MARKERS = ("visual", "qkv", "attn.proj", "linear_fc1", "linear_fc2", "merger", "patch_embed")
+#: Language-model attention and MLP projections (Qwen3 decoder layer names).
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class _Model(BaseModel):
+    """Base: camelCase aliases, unknown fields rejected, attribute docstrings as descriptions."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=False,
+    )
+
+
+def _is_vision_target(name: str) -> bool:
+    """True when a LoRA target module name would match a module of the vision tower."""
+    return name == "proj" or any(marker in name for marker in VISION_MODULE_MARKERS)
+
+
+# --------------------------------------------------------------------------------------------------------------- spec
+class ModelSpec(_Model):
+    """The base vision-language model and the supervised starting point."""
+
+    name: str = "Qwen/Qwen3-VL-8B-Instruct"
+    """Model identifier, for humans and for serving (the served model name). Never downloaded at run time."""
+    path: str | None = None
+    """Local or shared-volume (FSx) directory holding the Hugging Face checkpoint. Required unless `tiny`."""
+    sft_adapter: str | None = None
+    """Directory of the starting point produced by supervised fine-tuning: a PEFT LoRA adapter or a full model
+    directory. When absent and `tiny` is set, `daedalus run` trains one first (`sft` section)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Parameter dtype. CPU runs use float32 whatever this says."""
+    tiny: bool = False
+    """Build the tiny offline Qwen3-VL architecture (random init, ~0.8 M parameters, local tokenizer) instead of
+    loading `path`: CPU runs and tests, no downloads."""
+
+
+class LoraSpec(_Model):
+    """LoRA adapter trained by GRPO (Hu et al. 2021, arXiv:2106.09685)."""
+
+    rank: int = Field(16, ge=1, le=512)
+    """LoRA rank r."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scaling numerator; the update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input (0 keeps rollouts and training bit-identical in the adapter path)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
+    """Language-model module names to adapt. Vision-tower modules are rejected: vLLM ignores LoRA on Qwen3-VL's
+    vision tower, which would make rollout and training policies differ."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _no_vision_targets(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if _is_vision_target(m)]
+        if bad:
+            raise ValueError(
+                f"vision-tower LoRA targets {bad} are not allowed (vLLM ignores vision LoRA for Qwen3-VL); "
+                f"use language-model projections such as {DEFAULT_LORA_TARGETS}"
+            )
+        return v
+
+
+class LossAggregation(str, enum.Enum):
+    """How per-token losses become one scalar (see :func:`daedalus_trainer.grpo.grpo_loss`)."""
+
+    TOKEN_MEAN = "token-mean"  # DAPO (Yu et al. 2025, arXiv:2503.14476)
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"  # Dr. GRPO (Liu et al. 2025, arXiv:2503.20783)
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # original GRPO (Shao et al. 2024, arXiv:2402.03300)
+
+
+class AlgorithmSpec(_Model):
+    """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300) on multi-turn episodes."""
+
+    group_size: int = Field(8, ge=2, le=256)
+    """Episodes per maze (G). Advantages are computed within each group of episodes on the same maze."""
+    mazes_per_step: int = Field(8, ge=1, le=4096)
+    """Mazes sampled per optimizer step; a step trains on mazesPerStep x groupSize episodes."""
+    learning_rate: float = Field(1e-5, gt=0, le=1.0)
+    """AdamW learning rate for the LoRA parameters."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping threshold (global L2 norm)."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Coefficient of the KL penalty to the reference policy (adapter disabled), k3 estimator (Schulman 2020).
+    0 disables it and skips the reference forward."""
+    clip_ratio_low: float = Field(0.2, gt=0, lt=1)
+    """PPO clip: the ratio is clipped below at 1 - clipRatioLow."""
+    clip_ratio_high: float = Field(0.28, gt=0)
+    """PPO clip: the ratio is clipped above at 1 + clipRatioHigh (DAPO's clip-higher uses 0.28)."""
+    temperature: float = Field(1.0, gt=0, le=10)
+    """Sampling temperature of rollouts."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold of rollouts."""
+    max_tokens_per_turn: int = Field(24, ge=1, le=8192)
+    """Maximum generated tokens per turn; a turn cut off there is parsed as it stands."""
+    loss_aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
+    """`token-mean` (DAPO), `seq-mean-token-sum` (Dr. GRPO) or `seq-mean-token-mean` (original GRPO)."""
+    advantage_norm: Literal["group-std", "none"] = "group-std"
+    """`group-std`: (r - mean) / (std + eps) within each group (GRPO); `none`: r - mean (Dr. GRPO)."""
+    steps: int = Field(100, ge=1, le=10_000_000)
+    """Number of GRPO optimizer steps."""
+    seed: int = Field(0, ge=0)
+    """Seed of maze sampling, rollouts and initialisation; a resumed run continues the same streams."""
+
+
+class EnvironmentSpec(_Model):
+    """Multi-turn visual maze in the style of VisGym Maze2D."""
+
+    name: Literal["maze2d"] = "maze2d"
+    """Environment name."""
+    size: int = Field(9, ge=5, le=63)
+    """Grid side in cells, outer walls included; must be odd (7 and 9 are easy, 11 hard)."""
+    max_turns: int = Field(0, ge=0, le=10_000)
+    """Turn limit of an episode; 0 means twice the optimal number of actions of each maze."""
+    observation: Literal["image", "ascii", "image+ascii"] = "image"
+    """What the model sees each turn."""
+    history_turns: int = Field(1, ge=1, le=64)
+    """How many recent turns (image + feedback) stay in the model's context, the current one included."""
+    action_format: Literal["function", "tuple", "tag"] = "function"
+    """Action syntax: `move("up")`, `('move', 1)` (VisGym numbering: 0 right, 1 up, 2 left, 3 down) or
+    `<action>up</action>`; `stop` in the same style."""
+    success_on: Literal["stop-on-goal", "arrival"] = "stop-on-goal"
+    """`stop-on-goal`: success only when the agent says stop on the goal (VisGym); `arrival`: on entering it."""
+    cell_pixels: int = Field(25, ge=4, le=128)
+    """Rendered cell size in pixels (VisGym uses 25; the tiny model learns with 16: one ViT patch per cell)."""
+    eval_mazes: int = Field(64, ge=1, le=100_000)
+    """Size of the held-out evaluation set; its layouts are excluded from every training sampler."""
+    eval_seed: int = Field(1234, ge=0)
+    """Seed of the held-out evaluation set."""
+
+    @field_validator("size")
+    @classmethod
+    def _odd(cls, v: int) -> int:
+        if v % 2 != 1:
+            raise ValueError(f"must be odd (outer walls included), e.g. 7, 9 or 11; got {v}")
+        return v
+
+
+class SFTSpec(_Model):
+    """Supervised fine-tuning on solver demonstrations, run by `daedalus sft` or by `daedalus run` when
+    `model.sftAdapter` is absent and the model is tiny."""
+
+    steps: int = Field(1500, ge=0, le=10_000_000)
+    """Maximum optimizer steps."""
+    max_seconds: float = Field(300.0, ge=0)
+    """Wall-clock budget in seconds (the run stops at whichever of steps / maxSeconds comes first; 0 = no limit)."""
+    batch_size: int = Field(32, ge=1, le=4096)
+    """Demonstration turns per optimizer step."""
+    learning_rate: float = Field(1e-3, gt=0, le=1.0)
+    """AdamW learning rate (full fine-tune of the tiny model; LoRA for real models)."""
+    seed: int = Field(0, ge=0)
+    """Seed of demonstration sampling."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate on the held-out set every N steps (0: only at the end)."""
+
+
+class CheckpointSpec(_Model):
+    """Checkpoints on shared storage (FSx for Lustre on HyperPod)."""
+
+    volume: str | None = None
+    """PersistentVolumeClaim mounted on every Ray pod at `path` (e.g. the FSx for Lustre claim)."""
+    path: str = "/checkpoints"
+    """Directory of checkpoints; the trainer writes under `<path>/<namespace>/<job name>/`."""
+    interval_steps: int = Field(10, ge=1)
+    """Checkpoint every N GRPO steps (and on demand, e.g. before a HyperPod node replacement)."""
+    keep: int = Field(3, ge=1, le=1000)
+    """How many recent checkpoints to keep."""
+
+
+class Toleration(_Model):
+    """A Kubernetes pod toleration (core/v1 Toleration)."""
+
+    key: str | None = None
+    """Taint key."""
+    operator: Literal["Exists", "Equal"] | None = None
+    """Toleration operator."""
+    value: str | None = None
+    """Taint value."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect."""
+    toleration_seconds: int | None = None
+    """For NoExecute: how long the pod stays bound after the taint appears."""
+
+
+class HeadSpec(_Model):
+    """Ray head group: the driver, the trainer's HTTP endpoint; no GPUs and `num-cpus: 0` (no tasks scheduled)."""
+
+    cpu: str = "4"
+    """CPU request and limit of the head pod."""
+    memory: str = "16Gi"
+    """Memory request and limit of the head pod."""
+
+
+class WorkerGroupSpec(_Model):
+    """One KubeRay worker group."""
+
+    name: str = Field("gpu", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=40)
+    """Worker group name (DNS label)."""
+    replicas: int = Field(1, ge=0, le=1000)
+    """Number of worker pods."""
+    gpus_per_worker: int = Field(8, ge=0, le=16)
+    """`nvidia.com/gpu` per worker pod."""
+    cpu: str = "32"
+    """CPU request and limit per worker pod."""
+    memory: str = "256Gi"
+    """Memory request and limit per worker pod."""
+    shm_size: str = "64Gi"
+    """Size of the in-memory `/dev/shm` volume (NCCL, Ray object store)."""
+    instance_type: str | None = None
+    """Pin to an instance type (label `node.kubernetes.io/instance-type`), e.g. ml.p5.48xlarge."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Extra node selector labels."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Pod tolerations."""
+    efa: int = Field(0, ge=0, le=32)
+    """`vpc.amazonaws.com/efa` devices per worker pod (0 = no EFA)."""
+
+
+class ClusterSpec(_Model):
+    """The KubeRay RayCluster the operator creates for the job. Ignored by `daedalus run` (local mode)."""
+
+    image: str = "ghcr.io/daedalus-rl/daedalus-trainer:0.1.0"
+    """Trainer image (Dockerfile.trainer) for head and workers."""
+    ray_version: str = "2.60.0"
+    """Ray version inside the image (KubeRay `rayVersion`)."""
+    service_account_name: str | None = None
+    """ServiceAccount of the Ray pods."""
+    head: HeadSpec = Field(default_factory=HeadSpec)
+    """Head group resources."""
+    worker_groups: list[WorkerGroupSpec] = Field(default_factory=lambda: [WorkerGroupSpec()], max_length=16)
+    """Worker groups; at least one must have GPUs unless `model.tiny`."""
+
+
+class ResilienceSpec(_Model):
+    """How the operator keeps the job alive."""
+
+    max_restarts: int = Field(10, ge=0, le=1000)
+    """Resubmissions allowed before the job is Failed (infrastructure and application failures together)."""
+    restart_backoff_seconds: int = Field(15, ge=0, le=3600)
+    """Base of the exponential backoff between restarts (doubles per consecutive failure, capped at 10 minutes)."""
+    hyper_pod: bool = True
+    """Watch the SageMaker HyperPod node-health label and keep pods on `Schedulable` nodes."""
+    checkpoint_on_node_warning: bool = True
+    """When HyperPod marks a node for replacement or reboot, checkpoint before stopping (zero lost steps)."""
+    checkpoint_timeout_seconds: int = Field(300, ge=1, le=86_400)
+    """How long to wait for a requested checkpoint before stopping anyway."""
+    progress_deadline_seconds: int = Field(1800, ge=30, le=604_800)
+    """No step advance for this long while Running counts as hung: checkpoint if possible, restart."""
+
+
+class ServingSpec(_Model):
+    """Serve the exported LoRA adapter after the job succeeds."""
+
+    enabled: bool = False
+    """Create a serving deployment for the adapter when the job succeeds."""
+    replicas: int = Field(1, ge=1, le=100)
+    """Serving replicas."""
+    image: str | None = None
+    """Serving image (defaults to the cluster image)."""
+    gpus_per_replica: int = Field(1, ge=0, le=16)
+    """GPUs per serving replica."""
+
+
+class RLTrainingJobSpec(_Model):
+    """Desired state of an RLTrainingJob."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    """Base model and SFT starting point."""
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    """LoRA adapter."""
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    """GRPO hyper-parameters."""
+    environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
+    """Maze environment."""
+    sft: SFTSpec = Field(default_factory=SFTSpec)
+    """Supervised warm start (tiny/local runs)."""
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """Checkpoint storage and cadence."""
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    """RayCluster shape."""
+    resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
+    """Failure handling."""
+    serving: ServingSpec = Field(default_factory=ServingSpec)
+    """Adapter serving."""
+    suspend: bool = False
+    """Checkpoint, stop the Ray job and delete the RayCluster; set back to false to resume."""
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "RLTrainingJobSpec":
+        failed = [rule for rule in CEL_RULES if not rule.python(self)]
+        if failed:
+            # One line per rule, "<field path>: <message>"; parse_job splits them back into separate errors.
+            raise ValueError("\n".join(f"{r.error_path}: {r.message}" for r in failed))
+        return self
+
+
+# ------------------------------------------------------------------------------------------------------------- status
+class Phase(str, enum.Enum):
+    """Coarse lifecycle for humans and printer columns; conditions carry the machine-readable detail."""
+
+    PENDING = "Pending"
+    PROVISIONING = "Provisioning"
+    RUNNING = "Running"
+    CHECKPOINTING = "Checkpointing"
+    RECOVERING = "Recovering"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class Condition(_Model):
+    """A `metav1.Condition` (k8s.io/apimachinery/pkg/apis/meta/v1)."""
+
+    type: str
+    """Condition type: Ready, Reconciling, Stalled, Succeeded, Failed, Suspended."""
+    status: Literal["True", "False", "Unknown"]
+    """Condition status."""
+    reason: str = "Unknown"
+    """CamelCase reason."""
+    message: str = ""
+    """Human-readable detail."""
+    last_transition_time: str | None = None
+    """RFC 3339 time of the last status flip."""
+    observed_generation: int | None = None
+    """`.metadata.generation` the condition was computed from."""
+
+
+class CheckpointRef(_Model):
+    """A checkpoint written by the trainer."""
+
+    step: int = 0
+    """GRPO step the checkpoint holds."""
+    path: str = ""
+    """Directory of the checkpoint on the shared volume."""
+    time: str | None = None
+    """RFC 3339 time it was written."""
+
+
+class FailureInfo(_Model):
+    """The last failure the operator handled."""
+
+    reason: str = ""
+    """CamelCase reason (NodeReplacement, NodeReboot, NodeLost, HeadLost, WorkerLost, ApplicationError, Hung, ...)."""
+    node: str | None = None
+    """Node involved, if any."""
+    message: str = ""
+    """Detail (Ray job message, node condition, ...)."""
+    time: str | None = None
+    """RFC 3339 time of detection."""
+
+
+class JobMetrics(_Model):
+    """Latest trainer figures, copied from the trainer's /status."""
+
+    success_rate: float | None = None
+    """Training success ratio of the latest step (0-1)."""
+    reward_mean: float | None = None
+    """Mean episode reward of the latest step."""
+    steps_per_hour: float | None = None
+    """Recent throughput in steps per hour."""
+    eval_success_rate: float | None = None
+    """Held-out greedy success ratio of the latest evaluation (0-1)."""
+
+
+class RLTrainingJobStatus(_Model):
+    """Observed state of an RLTrainingJob, written by the operator."""
+
+    model_config = ConfigDict(extra="allow")
+
+    phase: Phase | None = None
+    """Lifecycle phase."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """metav1.Condition list (kstatus: Ready, Reconciling, Stalled; plus Succeeded, Failed, Suspended)."""
+    observed_generation: int | None = None
+    """Generation of the spec the status reflects."""
+    ray_cluster_name: str | None = None
+    """Name of the RayCluster child (recorded before it is created)."""
+    attempt: int = 0
+    """Current submission attempt (1-based once submitted)."""
+    submission_id: str | None = None
+    """Ray job submission id of the current attempt (`<job>-<uid8>-a<attempt>`)."""
+    current_step: int = 0
+    """Latest completed GRPO step reported by the trainer."""
+    total_steps: int | None = None
+    """`spec.algorithm.steps`."""
+    latest_checkpoint: CheckpointRef | None = None
+    """Newest verified checkpoint."""
+    restarts: int = 0
+    """Resubmissions so far."""
+    last_failure: FailureInfo | None = None
+    """Last failure handled."""
+    metrics: JobMetrics | None = None
+    """Latest trainer figures."""
+    start_time: str | None = None
+    """RFC 3339 time the first attempt was submitted."""
+    completion_time: str | None = None
+    """RFC 3339 time the job succeeded or failed."""
+    dashboard_url: str | None = None
+    """Ray dashboard URL of the RayCluster."""
+    adapter_path: str | None = None
+    """Exported PEFT LoRA adapter (servable by vLLM)."""
+
+
+class ObjectMeta(_Model):
+    """The part of metav1.ObjectMeta the trainer and `daedalus validate` read."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field("local", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    """Job name (DNS label)."""
+    namespace: str = "default"
+    """Namespace."""
+
+
+class RLTrainingJob(_Model):
+    """An RL post-training job: `apiVersion: daedalus.dev/v1alpha1`, `kind: RLTrainingJob`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: Literal["daedalus.dev/v1alpha1"] = API_VERSION
+    """API version."""
+    kind: Literal["RLTrainingJob"] = KIND
+    """Kind."""
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    """Object metadata."""
+    spec: RLTrainingJobSpec = Field(default_factory=RLTrainingJobSpec)
+    """Desired state."""
+    status: RLTrainingJobStatus | None = None
+    """Observed state."""
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The object as a Kubernetes manifest dict (camelCase, no status, defaults filled in)."""
+        return self.model_dump(by_alias=True, mode="json", exclude={"status"}, exclude_none=True)
+
+
+# ---------------------------------------------------------------------------------------------------------- CEL rules
+class CelRule:
+    """A cross-field rule stated once: CEL for the API server, a Python twin for everything else.
+
+    ``path`` is the JSON path of the object the rule is attached to in the CRD; ``rule`` is evaluated there with `self`
+    bound to that object (Kubernetes CEL, apiextensions.k8s.io/v1 `x-kubernetes-validations`). ``python`` is the twin,
+    a predicate over the whole :class:`RLTrainingJobSpec`.
+    """
+
+    def __init__(self, path: str, rule: str, message: str, python, field_path: str | None = None):
+        self.path = path
+        self.rule = rule
+        self.message = message
+        self.python = python
+        self.field_path = field_path
+
+    @property
+    def error_path(self) -> str:
+        """Field path reported to users, e.g. ``spec.cluster.workerGroups``."""
+        return self.path + (self.field_path or "")
+
+    def as_validation(self) -> dict[str, str]:
+        """The `x-kubernetes-validations` entry."""
+        v = {"rule": self.rule, "message": self.message}
+        if self.field_path:
+            v["fieldPath"] = self.field_path
+        return v
+
+
+_VISION_CEL = " || ".join(
+    ["m == 'proj'"] + [f"m.contains('{marker}')" for marker in VISION_MODULE_MARKERS]
+)
+
+CEL_RULES: list[CelRule] = [
+    CelRule(
+        "spec.environment",
+        "self.size % 2 == 1",
+        "environment.size must be odd (outer walls included), e.g. 7, 9 or 11",
+        lambda s: s.environment.size % 2 == 1,
+        field_path=".size",
+    ),
+    CelRule(
+        "spec.lora",
+        f"!self.targetModules.exists(m, {_VISION_CEL})",
+        "lora.targetModules must not name vision-tower modules (vLLM ignores vision LoRA for Qwen3-VL)",
+        lambda s: not any(_is_vision_target(m) for m in s.lora.target_modules),
+        field_path=".targetModules",
+    ),
+    CelRule(
+        "spec",
+        "self.model.tiny || self.cluster.workerGroups.exists(g, g.gpusPerWorker > 0 && g.replicas > 0)",
+        "cluster.workerGroups needs at least one group with gpusPerWorker > 0 and replicas > 0 unless model.tiny",
+        lambda s: s.model.tiny or any(g.gpus_per_worker > 0 and g.replicas > 0 for g in s.cluster.worker_groups),
+        field_path=".cluster.workerGroups",
+    ),
+    CelRule(
+        "spec",
+        "self.model.tiny || has(self.model.path)",
+        "model.path is required unless model.tiny (no model downloads at run time)",
+        lambda s: s.model.tiny or s.model.path is not None,
+        field_path=".model.path",
+    ),
+    CelRule(
+        "spec.cluster",
+        "self.workerGroups.all(a, self.workerGroups.filter(b, b.name == a.name).size() == 1)",
+        "cluster.workerGroups names must be unique",
+        lambda s: len({g.name for g in s.cluster.worker_groups}) == len(s.cluster.worker_groups),
+        field_path=".workerGroups",
+    ),
+]
+
+
+# ------------------------------------------------------------------------------------------------------------ loading
+class SpecError(ValueError):
+    """An invalid RLTrainingJob. ``errors`` holds one ``(field path, message)`` pair per problem."""
+
+    def __init__(self, errors: list[tuple[str, str]], source: str = "RLTrainingJob"):
+        self.errors = errors
+        lines = "\n".join(f"  {p}: {m}" for p, m in errors)
+        super().__init__(f"{source}: {len(errors)} error(s)\n{lines}")
+
+
+def _loc_to_path(loc: tuple) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts)
+
+
+def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
+    out = []
+    for err in exc.errors():
+        path = _loc_to_path(err["loc"])
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        # Cross-field rules raise "<path>: message" lines from the model validator: lift the paths out.
+        lines = msg.split("\n")
+        if all(": " in line and line.split(": ", 1)[0].startswith("spec") for line in lines):
+            out.extend(tuple(line.split(": ", 1)) for line in lines)
+        else:
+            out.append((path or "(root)", msg))
+    return out
+
+
+def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJob:
+    """Validate a manifest dict into an :class:`RLTrainingJob`.
+
+    Raises:
+        SpecError: with every problem and its field path (e.g. ``spec.environment.size``).
+    """
+    if not isinstance(obj, dict):
+        raise SpecError([("(root)", f"expected a mapping, got {type(obj).__name__}")], source)
+    errors: list[tuple[str, str]] = []
+    if obj.get("kind", KIND) != KIND:
+        errors.append(("kind", f"expected {KIND!r}, got {obj.get('kind')!r}"))
+    if obj.get("apiVersion", API_VERSION) != API_VERSION:
+        errors.append(("apiVersion", f"expected {API_VERSION!r}, got {obj.get('apiVersion')!r}"))
+    try:
+        job = RLTrainingJob.model_validate(obj)
+    except ValidationError as exc:
+        errors.extend(_errors_from(exc))
+        raise SpecError(errors, source) from None
+    if errors:
+        raise SpecError(errors, source)
+    return job
+
+
+def load_job(path: str | Path) -> RLTrainingJob:
+    """Read an RLTrainingJob from a YAML or JSON file (the first document whose kind is RLTrainingJob).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        SpecError: the YAML is malformed or the job is invalid (every error with its field path).
+    """
+    path = Path(path)
+    text = path.read_text()
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise SpecError([("(yaml)", str(exc))], str(path)) from None
+    if not docs:
+        raise SpecError([("(root)", "the file holds no document")], str(path))
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    return parse_job(jobs[0] if jobs else docs[0], source=str(path))
