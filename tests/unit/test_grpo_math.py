@@ -1,0 +1,106 @@
+"""GRPO advantages and loss: exact values on hand-computed cases, gradients, clipping, aggregation modes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from daedalus_trainer.grpo import group_advantages, grpo_loss
+
+
+def test_group_std_advantages_hand_computed():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+    adv, zero = group_advantages(rewards, "group-std", eps=0.0)
+    assert zero.tolist() == [False, True, False]
+    assert torch.allclose(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]))
+    assert torch.equal(adv[1], torch.zeros(4))
+    std = math.sqrt(0.75 * 0.25)  # population std of {0,0,0,1}
+    assert torch.allclose(adv[2], torch.tensor([-0.25, -0.25, -0.25, 0.75]) / std)
+    assert torch.allclose(adv.sum(dim=1), torch.zeros(3), atol=1e-6)
+
+
+def test_no_norm_advantages_are_centred_rewards():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    adv, zero = group_advantages(rewards, "none")
+    assert torch.allclose(adv, torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
+    assert not zero.item()
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="groups, group_size"):
+        group_advantages(torch.zeros(4), "none")
+    with pytest.raises(ValueError, match="unknown advantage"):
+        group_advantages(torch.zeros(2, 2), "rank")
+    lp = torch.zeros(1, 3)
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        grpo_loss(lp, lp, torch.ones(1), torch.ones(1, 3), torch.zeros(1, dtype=torch.long), aggregation="mean")
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        grpo_loss(lp, lp, torch.ones(1), torch.ones(1, 3), torch.zeros(1, dtype=torch.long), kl_coef=0.1)
+
+
+def _batch():
+    # Two episodes: episode 0 has two turn rows (3 + 1 tokens), episode 1 one row (2 tokens).
+    mask = torch.tensor([[1, 1, 1], [0, 0, 1], [0, 1, 1]], dtype=torch.float32)
+    ep = torch.tensor([0, 0, 1])
+    adv = torch.tensor([1.0, 1.0, -2.0])
+    return mask, ep, adv
+
+
+def test_on_policy_loss_values_for_each_aggregation():
+    mask, ep, adv = _batch()
+    lp = torch.zeros(3, 3, requires_grad=True)
+    # ratio == 1 on-policy: per-token loss = -A.
+    loss, stats = grpo_loss(lp, lp.detach(), adv, mask, ep, aggregation="token-mean")
+    # tokens: ep0 4 tokens * -1, ep1 2 tokens * +2 -> (-4 + 4) / 6
+    assert loss.item() == pytest.approx(0.0)
+    assert stats.tokens == 6 and stats.ratio_mean == pytest.approx(1.0) and stats.clip_fraction == 0.0
+    loss, _ = grpo_loss(lp, lp.detach(), adv, mask, ep, aggregation="seq-mean-token-sum")
+    assert loss.item() == pytest.approx((-4.0 + 4.0) / 2)
+    loss, _ = grpo_loss(lp, lp.detach(), adv, mask, ep, aggregation="seq-mean-token-mean")
+    assert loss.item() == pytest.approx((-1.0 + 2.0) / 2)
+
+
+def test_gradient_raises_logprob_of_positive_advantage_tokens():
+    mask, ep, adv = _batch()
+    lp = torch.full((3, 3), -1.0, requires_grad=True)
+    loss, _ = grpo_loss(lp, lp.detach(), adv, mask, ep)
+    loss.backward()
+    g = lp.grad
+    assert (g[0] < 0).all()  # descending the loss raises logp where A > 0
+    assert g[1, 2] < 0 and g[1, :2].abs().sum() == 0  # prompt tokens get no gradient
+    assert (g[2, 1:] > 0).all() and g[2, 0] == 0
+
+
+def test_clipping_stops_gradient_outside_the_trust_region():
+    mask = torch.ones(2, 1)
+    ep = torch.tensor([0, 1])
+    adv = torch.tensor([1.0, -1.0])
+    old = torch.zeros(2, 1)
+    # Row 0: ratio e^0.5 = 1.65 > 1.28 with A > 0 -> clipped; row 1: ratio e^-0.5 = 0.61 < 0.8 with A < 0 -> clipped.
+    lp = torch.tensor([[0.5], [-0.5]], requires_grad=True)
+    loss, stats = grpo_loss(lp, old, adv, mask, ep, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    loss.backward()
+    assert torch.equal(lp.grad, torch.zeros(2, 1))
+    assert stats.clip_fraction == 1.0
+    assert loss.item() == pytest.approx(-(1.28 * 1.0 + 0.8 * -1.0) / 2)
+    # Inside the region the gradient flows.
+    lp2 = torch.tensor([[0.1], [-0.1]], requires_grad=True)
+    loss2, stats2 = grpo_loss(lp2, old, adv, mask, ep)
+    loss2.backward()
+    assert (lp2.grad.abs() > 0).all() and stats2.clip_fraction == 0.0
+
+
+def test_kl_k3_is_zero_at_reference_and_positive_elsewhere():
+    mask = torch.ones(1, 2)
+    ep = torch.zeros(1, dtype=torch.long)
+    lp = torch.tensor([[-1.0, -2.0]])
+    _, same = grpo_loss(lp, lp, torch.zeros(1), mask, ep, ref_logprobs=lp.clone(), kl_coef=0.1)
+    assert same.kl == pytest.approx(0.0)
+    ref = torch.tensor([[-1.5, -1.0]])
+    loss, diff = grpo_loss(lp, lp, torch.zeros(1), mask, ep, ref_logprobs=ref, kl_coef=0.5)
+    d = ref - lp
+    k3 = (torch.exp(d) - d - 1).mean().item()
+    assert diff.kl == pytest.approx(k3) and k3 > 0
+    assert loss.item() == pytest.approx(0.5 * k3)
