@@ -60,11 +60,12 @@ ACTION_FORMATS: tuple[str, ...] = ("function", "tuple", "tag")
 _BLANK = r"[ \t]*"
 _WORD = "right|up|left|down"
 
-# (?<![\w.]) instead of \b: a dot before the name ("env.move(...)") is also refused, it is not our syntax.
+# "move(?<![\w.]move)": the name must not end a longer identifier nor follow a dot ("env.move(...)" is not our
+# syntax). The look-behind sits after the literal so the regex engine can still scan for the literal quickly.
 _PATTERNS_SOURCE: dict[str, str] = {
     "function": (
-        rf"""(?<![\w.])move\({_BLANK}(?P<q>["'])(?P<dir>{_WORD})(?P=q){_BLANK}\)"""
-        rf"""|(?<![\w.])(?P<stop>stop)\({_BLANK}\)"""
+        rf"""move(?<![\w.]move)\({_BLANK}(?P<q>["'])(?P<dir>{_WORD})(?P=q){_BLANK}\)"""
+        rf"""|(?P<stop>stop)(?<![\w.]stop)\({_BLANK}\)"""
     ),
     "tuple": (
         rf"""\({_BLANK}(?P<q>["'])move(?P=q){_BLANK},{_BLANK}(?P<num>[0-3]){_BLANK}\)"""
