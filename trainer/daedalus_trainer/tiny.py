@@ -93,6 +93,21 @@ _BASE_CORPUS = (
 )
 
 
+def task_corpus() -> list[str]:
+    """Strings of the maze task the tokenizer should encode compactly: the instructions for every action format,
+    success rule and observation, every action in every format, and the feedback lines."""
+    from daedalus_trainer.envs import ACTION_FORMATS, ACTIONS, DIRECTIONS, OBSERVATIONS, SUCCESS_ON
+    from daedalus_trainer.envs import format_action, instructions, syntax_hint
+
+    out = [instructions(f, s, o) for f in ACTION_FORMATS for s in SUCCESS_ON for o in OBSERVATIONS]
+    out += [format_action(a, f) for a in ACTIONS for f in ACTION_FORMATS] * 8
+    out += [f"Invalid action: {why}. Use {syntax_hint(f)}." for f in ACTION_FORMATS
+            for why in ("empty reply", "wrong letter case; actions are lowercase", "no action found")]
+    out += [f"Moved {d}." for d in DIRECTIONS] * 8 + [f"Moved {d} and reached the goal." for d in DIRECTIONS]
+    out += ["Hit a wall; you did not move.", "Stopped on the goal.", "Stopped, but not on the goal."] * 4
+    return out
+
+
 @dataclass(frozen=True)
 class TinySpec:
     """Sizes of the tiny Qwen3-VL (defaults: ~0.9 M parameters, issue 3 measured facts).
@@ -193,7 +208,7 @@ def train_tokenizer(spec: TinySpec) -> PreTrainedTokenizerFast:
         min_frequency=2,
         show_progress=False,
     )
-    corpus = list(_BASE_CORPUS) + list(spec.extra_corpus)
+    corpus = list(_BASE_CORPUS) + task_corpus() + list(spec.extra_corpus)
     tok.train_from_iterator(corpus * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -1,0 +1,549 @@
+"""The policy: a Qwen3-VL vision-language model (real or tiny) with an optional LoRA adapter.
+
+:func:`load_policy` reads a Hugging Face checkpoint directory with ``AutoModelForImageTextToText`` and
+``AutoProcessor`` (``local_files_only=True``: no hub access at run time), or first builds the tiny offline
+architecture (:mod:`daedalus_trainer.tiny`) when ``model.tiny`` is set, so that both load the same way.
+
+The learner's math lives in :meth:`Policy.response_logprobs`: per-token log-probabilities ``log pi(y_t | x, y_<t)``
+of the assistant tokens of a batch of multi-turn, multi-image conversations. The reference policy of the KL term is
+the same weights with the adapter disabled (:meth:`Policy.reference_logprobs`, peft ``disable_adapter()``), so it
+costs no second copy of the model.
+
+LoRA (Hu et al. 2021, arXiv:2106.09685) through peft, on language-model modules only: vLLM ignores LoRA on Qwen3-VL's
+vision tower, so a vision target would make the rollout policy differ from the trained one (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from daedalus_trainer import tiny as tiny_mod
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Name of the tiny base checkpoint directory built under a work directory when ``model.path`` is not given.
+TINY_BASE_DIRNAME = "tiny-base"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+# --------------------------------------------------------------------------------------------------------- sequences
+@dataclass
+class TokenSequence:
+    """One model input: prompt tokens (image pads already expanded) followed by completion (assistant) tokens.
+
+    This is the unit the learner recomputes log-probs on: the exact tokens a rollout engine was given
+    (``prompt_ids``) and sampled (``completion_ids``), with the images of that context.
+
+    Attributes:
+        prompt_ids: token ids of the rendered conversation up to and including ``<|im_start|>assistant\\n``; each
+            image appears as ``<|vision_start|>`` + N x ``<|image_pad|>`` + ``<|vision_end|>``.
+        completion_ids: the assistant reply's token ids (ending with ``<|im_end|>`` when the reply finished).
+        images: the images of the context in order of appearance, uint8 ``[H, W, 3]`` (or PIL images).
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    images: list[Any] = field(default_factory=list)
+
+    @property
+    def input_ids(self) -> list[int]:
+        """``prompt_ids + completion_ids``."""
+        return list(self.prompt_ids) + list(self.completion_ids)
+
+    @property
+    def assistant_mask(self) -> list[int]:
+        """1 on completion tokens, 0 on prompt tokens; same length as :attr:`input_ids`."""
+        return [0] * len(self.prompt_ids) + [1] * len(self.completion_ids)
+
+
+@dataclass
+class PolicyBatch:
+    """A right-padded batch of :class:`TokenSequence` as tensors for :meth:`Policy.response_logprobs`.
+
+    Attributes:
+        input_ids: ``[B, T]`` long, padded with the pad token.
+        attention_mask: ``[B, T]`` long, 1 on real tokens.
+        assistant_mask: ``[B, T]`` long, 1 on completion (assistant) tokens.
+        mm_token_type_ids: ``[B, T]`` long, 1 on ``<|image_pad|>`` tokens (Qwen3-VL's M-RoPE needs it).
+        pixel_values: ``[num_patches, C * temporal_patch * patch * patch]`` float, or None without images.
+        image_grid_thw: ``[num_images, 3]`` long (temporal, height, width in patches), or None.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    assistant_mask: torch.Tensor
+    mm_token_type_ids: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> PolicyBatch:
+        """A copy with every tensor on ``device``."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PolicyBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
+
+    @property
+    def num_assistant_tokens(self) -> int:
+        """Number of assistant tokens in the batch."""
+        return int(self.assistant_mask.sum())
+
+
+def to_pil(image: Any) -> Image.Image:
+    """A PIL RGB image from a uint8 ``[H, W, 3]`` array or a PIL image.
+
+    Raises:
+        ValueError: an array that is not uint8 ``[H, W, 3]``.
+    """
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    arr = np.asarray(image)
+    if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
+        raise ValueError(f"images must be uint8 [H, W, 3] arrays, got {arr.dtype} {arr.shape}")
+    return Image.fromarray(arr, mode="RGB")
+
+
+# ------------------------------------------------------------------------------------------------------------ policy
+class Policy:
+    """A loaded Qwen3-VL model, its processor and (optionally) a LoRA adapter.
+
+    Attributes:
+        model: the transformers model, or a ``peft.PeftModel`` wrapping it once an adapter is attached.
+        processor: the checkpoint's processor (``Qwen3VLProcessor`` or the tiny image-only subclass).
+        path: the checkpoint directory the base model was read from.
+        device: where the model lives.
+    """
+
+    def __init__(self, model: torch.nn.Module, processor: Any, path: Path, device: torch.device):
+        self.model = model
+        self.processor = processor
+        self.path = Path(path)
+        self.device = device
+        tok = processor.tokenizer
+        tok.padding_side = "left"  # batched generation needs left padding; training batches pad right themselves
+        self.image_token_id = int(processor.image_token_id)
+        self.im_end_id = int(tok.convert_tokens_to_ids(tiny_mod.IM_END))
+        self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.convert_tokens_to_ids(tiny_mod.ENDOFTEXT))
+        vocab = tok.get_vocab()
+        #: Token ids that are never generated (see :data:`daedalus_trainer.tiny.VISION_SPECIAL_TOKENS`).
+        self.suppressed_token_ids = sorted(vocab[t] for t in tiny_mod.VISION_SPECIAL_TOKENS if t in vocab)
+        #: Token ids that end an assistant reply: ``<|im_end|>`` and ``<|endoftext|>`` (as Qwen's generation config).
+        self.stop_token_ids = sorted({self.im_end_id, int(vocab.get(tiny_mod.ENDOFTEXT, self.im_end_id))})
+
+    # -- introspection ---------------------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The processor's tokenizer."""
+        return self.processor.tokenizer
+
+    @property
+    def has_adapter(self) -> bool:
+        """True once a LoRA adapter is attached (:meth:`add_lora`, :meth:`load_adapter`)."""
+        from peft import PeftModel
+
+        return isinstance(self.model, PeftModel)
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        """The underlying ``Qwen3VLForConditionalGeneration`` (LoRA layers, if any, are inside its modules)."""
+        return self.model.get_base_model() if self.has_adapter else self.model
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters with ``requires_grad`` (the LoRA matrices once an adapter is attached; all weights otherwise)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    # -- LoRA ------------------------------------------------------------------------------------------------------
+    def add_lora(self, lora: Any) -> None:
+        """Attach a fresh, trainable LoRA adapter and freeze the base weights.
+
+        Args:
+            lora: ``LoraSpec``-like object with ``rank``, ``alpha``, ``dropout``, ``target_modules``.
+
+        Raises:
+            ValueError: a target that matches a vision-tower module or no module at all (see
+                :func:`check_lora_targets`), or an adapter is already attached.
+        """
+        from peft import LoraConfig, get_peft_model
+
+        if self.has_adapter:
+            raise ValueError("a LoRA adapter is already attached")
+        targets = list(lora.target_modules)
+        check_lora_targets(self.model, targets)
+        config = LoraConfig(
+            r=int(lora.rank), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
+            target_modules=targets, bias="none",
+        )
+        self.model = get_peft_model(self.model, config)
+
+    def load_adapter(self, path_or_state: str | Path | dict[str, torch.Tensor], trainable: bool = True) -> None:
+        """Load adapter weights: a PEFT adapter directory, or a state dict from :meth:`adapter_state`.
+
+        A directory attaches the adapter when none is attached yet (its own ``adapter_config.json`` decides rank and
+        targets, which are checked like :meth:`add_lora`'s); otherwise it replaces the attached adapter's weights.
+        A state dict requires an attached adapter of the same shapes.
+
+        Raises:
+            FileNotFoundError: a directory without ``adapter_config.json``.
+            ValueError: a state dict without an attached adapter, missing or unexpected keys, or vision targets.
+        """
+        from peft import PeftConfig, PeftModel, set_peft_model_state_dict
+
+        if isinstance(path_or_state, (str, Path)):
+            path = Path(path_or_state)
+            if not (path / ADAPTER_CONFIG).is_file():
+                raise FileNotFoundError(f"{path} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+            if not self.has_adapter:
+                cfg = PeftConfig.from_pretrained(str(path))
+                targets = cfg.target_modules
+                check_lora_targets(self.model, sorted(targets) if isinstance(targets, (set, list)) else targets)
+                self.model = PeftModel.from_pretrained(self.model, str(path), is_trainable=trainable)
+                return
+            from safetensors.torch import load_file
+
+            state = load_file(str(path / ADAPTER_WEIGHTS))
+        else:
+            state = path_or_state
+            if not self.has_adapter:
+                raise ValueError("cannot load an adapter state dict: no adapter attached (call add_lora first)")
+        state = {k: v.to(self.device) for k, v in state.items()}
+        result = set_peft_model_state_dict(self.model, state)
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"adapter mismatch: missing {missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}")
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The adapter weights as a CPU state dict (PEFT key names; what travels to rollout engines).
+
+        Raises:
+            ValueError: no adapter attached.
+        """
+        from peft import get_peft_model_state_dict
+
+        if not self.has_adapter:
+            raise ValueError("no adapter attached")
+        return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model).items()}
+
+    def save_adapter(self, out_dir: str | Path) -> Path:
+        """Write the adapter in PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``), servable by vLLM.
+
+        Raises:
+            ValueError: no adapter attached.
+        """
+        if not self.has_adapter:
+            raise ValueError("no adapter attached")
+        out = Path(out_dir)
+        self.model.save_pretrained(str(out))
+        return out
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Write the full model (adapter merged into a copy if attached) and processor like a real checkpoint.
+
+        The tiny model's ``daedalus_tiny.json`` is copied along. Returns ``out_dir``.
+        """
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        model = self.model
+        if self.has_adapter:
+            import copy
+
+            model = copy.deepcopy(self.model).merge_and_unload()
+        model.save_pretrained(str(out))
+        self.processor.save_pretrained(str(out))
+        meta = self.path / "daedalus_tiny.json"
+        if meta.is_file() and meta.resolve() != (out / meta.name).resolve():
+            shutil.copyfile(meta, out / meta.name)
+        return out
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """Context in which the model is the reference policy: the base weights with the adapter disabled.
+
+        Raises:
+            ValueError: no adapter attached (without one, the policy is its own reference and the KL term is 0 only
+                until the base weights change, which full fine-tuning does).
+        """
+        if not self.has_adapter:
+            raise ValueError("the reference policy needs a LoRA adapter (peft disable_adapter)")
+        with self.model.disable_adapter():
+            yield
+
+    # -- batches ---------------------------------------------------------------------------------------------------
+    def process_images(self, images: Sequence[Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the checkpoint's image processor: ``(pixel_values [P, D], image_grid_thw [N, 3])``, or ``(None, None)``."""
+        if not images:
+            return None, None
+        out = self.processor.image_processor(images=[to_pil(i) for i in images], return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def image_token_count(self, grid_thw: torch.Tensor) -> list[int]:
+        """Visual tokens per image: ``t * h * w / merge_size**2`` for each row of ``grid_thw`` ``[N, 3]``."""
+        merge = int(self.processor.image_processor.merge_size) ** 2
+        return [int(x) // merge for x in grid_thw.prod(-1).tolist()]
+
+    def collate(self, sequences: Sequence[TokenSequence]) -> PolicyBatch:
+        """Right-pad ``sequences`` into a :class:`PolicyBatch` on the policy's device.
+
+        Raises:
+            ValueError: empty input, or a sequence whose ``<|image_pad|>`` count does not match its images (the
+                tokens must come from the same processor; Qwen3-VL would fail later with a less clear error).
+        """
+        if not sequences:
+            raise ValueError("cannot collate an empty list of sequences")
+        all_images = [img for s in sequences for img in s.images]
+        pixel_values, grid = self.process_images(all_images)
+        counts = self.image_token_count(grid) if grid is not None else []
+        k = 0
+        for i, s in enumerate(sequences):
+            expected = sum(counts[k : k + len(s.images)])
+            k += len(s.images)
+            got = sum(1 for t in s.prompt_ids if t == self.image_token_id)
+            if got != expected:
+                raise ValueError(
+                    f"sequence {i}: {got} image tokens in the prompt but its {len(s.images)} image(s) need {expected}"
+                )
+            if any(t == self.image_token_id for t in s.completion_ids):
+                raise ValueError(f"sequence {i}: the completion holds image tokens")
+        width = max(len(s.prompt_ids) + len(s.completion_ids) for s in sequences)
+        n = len(sequences)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((n, width), dtype=torch.long)
+        amask = torch.zeros((n, width), dtype=torch.long)
+        for i, s in enumerate(sequences):
+            row = s.input_ids
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            attn[i, : len(row)] = 1
+            amask[i, len(s.prompt_ids) : len(row)] = 1
+        mm = (ids == self.image_token_id).long() * attn
+        batch = PolicyBatch(ids, attn, amask, mm, pixel_values, grid)
+        return batch.to(self.device)
+
+    # -- log-probs -------------------------------------------------------------------------------------------------
+    def _assistant_logits(self, batch: PolicyBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits ``[N, V]`` (float32, divided by ``temperature``) predicting the N assistant tokens, the targets
+        ``[N]`` and a bool mask ``[B, T]`` of the predicted positions (in ``input_ids`` coordinates).
+
+        Only the assistant positions go through ``lm_head``, which keeps memory at ``N x V`` instead of
+        ``B x T x V`` (V is 151k for the real model).
+        """
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        base = self.base_model
+        kwargs: dict[str, Any] = {}
+        if batch.pixel_values is not None:
+            kwargs["pixel_values"] = batch.pixel_values.to(base.dtype)
+            kwargs["image_grid_thw"] = batch.image_grid_thw
+        out = base.model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+            mm_token_type_ids=batch.mm_token_type_ids, use_cache=False, **kwargs,
+        )
+        hidden = out.last_hidden_state  # [B, T, H]
+        target_mask = torch.zeros_like(batch.assistant_mask, dtype=torch.bool)
+        target_mask[:, 1:] = batch.assistant_mask[:, 1:].bool()  # position t is predicted from hidden state t-1
+        h = hidden[:, :-1][target_mask[:, 1:]]  # [N, H]
+        logits = base.lm_head(h).float() / temperature  # [N, V]
+        return logits, batch.input_ids[target_mask], target_mask
+
+    def response_logprobs(self, batch: PolicyBatch, temperature: float = 1.0) -> torch.Tensor:
+        """Per-token log-probs of the assistant tokens: ``out[b, t] = log softmax(z_{t-1} / temperature)[x_t]``.
+
+        ``z_{t-1}`` are the model's logits after reading ``x_<t`` (multi-turn, multi-image context through the vision
+        tower and M-RoPE). Sampling at temperature tau draws from ``softmax(z / tau)``, so pass the rollout
+        temperature to get the behaviour policy's log-probs (as TRL's GRPO and verl do); top-p truncation is not
+        modelled.
+
+        Args:
+            batch: from :meth:`collate`.
+            temperature: > 0.
+
+        Returns:
+            float32 ``[B, T]`` aligned with ``batch.input_ids``; 0 where ``assistant_mask`` is 0. Differentiable with
+            respect to the trainable parameters (wrap in ``torch.no_grad()`` for old/reference log-probs).
+        """
+        logits, targets, mask = self._assistant_logits(batch, temperature)
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # [N]
+        out = torch.zeros(mask.shape, dtype=torch.float32, device=lp.device)
+        return out.masked_scatter(mask, lp)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: PolicyBatch, temperature: float = 1.0) -> torch.Tensor:
+        """:meth:`response_logprobs` of the reference policy (adapter disabled), without gradients. ``[B, T]``.
+
+        Raises:
+            ValueError: no adapter attached.
+        """
+        with self.reference():
+            return self.response_logprobs(batch, temperature)
+
+    @torch.no_grad()
+    def greedy_match(self, batch: PolicyBatch) -> torch.Tensor:
+        """Per-sequence bool ``[B]``: every assistant token is the argmax of the model's (vision-token-suppressed)
+        distribution given the reference prefix, i.e. greedy decoding would reproduce the completion exactly.
+
+        Used as SFT's step accuracy (one forward instead of a generation).
+        """
+        logits, targets, mask = self._assistant_logits(batch, 1.0)
+        if self.suppressed_token_ids:
+            logits[:, self.suppressed_token_ids] = float("-inf")
+        hit = (logits.argmax(-1) == targets).float()
+        per_pos = torch.ones(mask.shape, dtype=torch.float32, device=hit.device).masked_scatter(mask, hit)
+        return per_pos.bool().all(dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------------- helpers
+def check_lora_targets(model: torch.nn.Module, target_modules: Sequence[str] | str) -> list[str]:
+    """Names of the modules ``target_modules`` select, matched the way peft matches them.
+
+    Returns:
+        Sorted module names (e.g. ``model.language_model.layers.0.self_attn.q_proj``).
+
+    Raises:
+        ValueError: a target selects a module of the vision tower (``*.visual.*``), or selects nothing.
+    """
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "base_layer")]
+    selected: set[str] = set()
+    for target in targets:
+        cfg = LoraConfig(target_modules=target if isinstance(target_modules, str) else [target])
+        hits = [n for n in names if check_target_module_exists(cfg, n)]
+        vision = [n for n in hits if _is_vision_module(n)]
+        if vision:
+            raise ValueError(
+                f"LoRA target {target!r} selects vision-tower modules ({vision[0]}, ... {len(vision)} in all); "
+                "vLLM ignores LoRA on Qwen3-VL's vision tower, so only language-model modules may be adapted, "
+                "e.g. q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+            )
+        if not hits:
+            raise ValueError(f"LoRA target {target!r} matches no linear module of the model")
+        selected.update(hits)
+    return sorted(selected)
+
+
+def _is_vision_module(name: str) -> bool:
+    parts = name.split(".")
+    return "visual" in parts or "vision_tower" in parts
+
+
+def torch_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The torch dtype for ``model.dtype``; float32 on CPU whatever the spec says (bf16 matmuls are slow there).
+
+    Raises:
+        ValueError: unknown dtype name.
+    """
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return torch.float32 if device.type == "cpu" else DTYPES[name]
+
+
+def default_device() -> torch.device:
+    """``cuda`` when a GPU is visible, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def is_checkpoint_dir(path: str | Path | None) -> bool:
+    """True when ``path`` holds a Hugging Face model checkpoint (``config.json``)."""
+    return path is not None and (Path(path) / "config.json").is_file()
+
+
+def is_adapter_dir(path: str | Path | None) -> bool:
+    """True when ``path`` holds a PEFT adapter (``adapter_config.json``)."""
+    return path is not None and (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def resolve_base_dir(model_spec: Any, work_dir: str | Path | None = None, tiny_spec: tiny_mod.TinySpec | None = None) -> Path:
+    """The checkpoint directory of the base model, building the tiny checkpoint first when needed.
+
+    Order: ``model.path`` if it holds a checkpoint; else, when ``model.tiny``, the tiny model is built into
+    ``model.path`` (if given) or ``<work_dir>/tiny-base`` (kept, so every stage of a run loads the same weights).
+
+    Raises:
+        FileNotFoundError: not tiny and ``model.path`` is unset or holds no ``config.json`` (no downloads).
+    """
+    path = getattr(model_spec, "path", None)
+    if is_checkpoint_dir(path):
+        return Path(path)
+    if getattr(model_spec, "tiny", False):
+        target = Path(path) if path else (Path(work_dir) if work_dir else Path.cwd()) / TINY_BASE_DIRNAME
+        if not is_checkpoint_dir(target):
+            tiny_mod.build_tiny_checkpoint(target, tiny_spec)
+        return target
+    raise FileNotFoundError(
+        f"model.path {path!r} holds no Hugging Face checkpoint (config.json); Daedalus never downloads models at run "
+        "time: copy the checkpoint to a local or shared volume and set model.path, or set model.tiny for the CPU model"
+    )
+
+
+def load_pretrained(path: str | Path, dtype: str = "float32", device: torch.device | str | None = None) -> Policy:
+    """Load a checkpoint directory as a :class:`Policy` without adapter (``local_files_only``).
+
+    Raises:
+        FileNotFoundError: ``path`` holds no ``config.json``.
+    """
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = Path(path)
+    if not is_checkpoint_dir(path):
+        raise FileNotFoundError(f"{path} holds no Hugging Face checkpoint (config.json)")
+    dev = torch.device(device) if device is not None else default_device()
+    model = AutoModelForImageTextToText.from_pretrained(
+        str(path), dtype=torch_dtype(dtype, dev), local_files_only=True
+    ).to(dev)
+    processor = AutoProcessor.from_pretrained(str(path), local_files_only=True)
+    if not hasattr(processor, "image_processor"):
+        raise ValueError(f"{path}: AutoProcessor returned {type(processor).__name__}, not a vision-language processor")
+    return Policy(model, processor, path, dev)
+
+
+def load_policy(
+    model_spec: Any,
+    lora: Any | None = None,
+    *,
+    work_dir: str | Path | None = None,
+    device: torch.device | str | None = None,
+    trainable: bool = True,
+) -> Policy:
+    """Load the policy a job describes.
+
+    Args:
+        model_spec: ``ModelSpec``-like (``path``, ``tiny``, ``dtype``, ``sft_adapter``).
+        lora: ``LoraSpec``-like; when given and the starting point is not already an adapter, a fresh LoRA adapter is
+            attached (base weights frozen).
+        work_dir: where the tiny base checkpoint is built when ``model.path`` is unset.
+        device: default: cuda if available, else cpu.
+        trainable: whether a loaded ``sft_adapter`` adapter stays trainable.
+
+    ``model.sft_adapter`` may be a full model directory (then it replaces the base model: the tiny SFT run is a full
+    fine-tune) or a PEFT adapter directory (then it is loaded on top of the base and trained further).
+
+    Raises:
+        FileNotFoundError: no checkpoint (see :func:`resolve_base_dir`), or ``sft_adapter`` is neither a model nor an
+            adapter directory.
+        ValueError: vision-tower LoRA targets.
+    """
+    sft = getattr(model_spec, "sft_adapter", None)
+    dtype = getattr(model_spec, "dtype", "float32")
+    if sft and not (is_checkpoint_dir(sft) or is_adapter_dir(sft)):
+        raise FileNotFoundError(f"model.sftAdapter {sft!r} is neither a model directory nor a PEFT adapter directory")
+    base_dir = Path(sft) if is_checkpoint_dir(sft) else resolve_base_dir(model_spec, work_dir)
+    policy = load_pretrained(base_dir, dtype, device)
+    if sft and is_adapter_dir(sft):
+        policy.load_adapter(sft, trainable=trainable)
+    elif lora is not None:
+        policy.add_lora(lora)
+    return policy
+
+
+def read_tiny_meta(path: str | Path) -> dict[str, Any] | None:
+    """The ``daedalus_tiny.json`` of a tiny checkpoint, or None for other checkpoints."""
+    f = Path(path) / "daedalus_tiny.json"
+    return json.loads(f.read_text()) if f.is_file() else None
