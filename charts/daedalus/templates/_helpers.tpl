@@ -1,0 +1,139 @@
+{{/*
+Names. Kubernetes names are limited to 63 characters (DNS-1123 label).
+*/}}
+{{- define "daedalus.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "daedalus.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "daedalus.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "daedalus.labels" -}}
+helm.sh/chart: {{ include "daedalus.chart" . }}
+{{ include "daedalus.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: daedalus
+{{- end }}
+
+{{/* Labels selecting the operator pod (immutable once deployed). */}}
+{{- define "daedalus.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "daedalus.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "daedalus.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "daedalus.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "daedalus.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+RBAC rules for namespaced resources the operator touches (least privilege, no wildcards). Used by the ClusterRole in
+cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync with operator/daedalus_operator/.
+*/}}
+{{- define "daedalus.namespacedRules" -}}
+# RLTrainingJobs: watched and annotated/patched by kopf (finalizers, progress annotations).
+- apiGroups: ["daedalus.dev"]
+  resources: ["rltrainingjobs"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+- apiGroups: ["daedalus.dev"]
+  resources: ["rltrainingjobs/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: ["daedalus.dev"]
+  resources: ["rltrainingjobs/finalizers"]
+  verbs: ["update"]
+# Children: the job's RayCluster and, with serving enabled, the RayService.
+- apiGroups: ["ray.io"]
+  resources: ["rayclusters", "rayservices"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["ray.io"]
+  resources: ["rayclusters/status", "rayservices/status"]
+  verbs: ["get"]
+# Children: resolved trainer config, control-token Secret, services.
+- apiGroups: [""]
+  resources: ["configmaps", "secrets", "services"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The job's Ray pods, to map them onto nodes and notice lost heads/workers.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# Kubernetes Events for every transition (kopf posts through core/v1; events.k8s.io for newer clients).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+# NetworkPolicy admitting only the operator to the Ray dashboard and control ports.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+{{- end }}
+
+{{/* Cluster-scoped resources: needed in both modes. */}}
+{{- define "daedalus.clusterRules" -}}
+# Node health (HyperPod label sagemaker.amazonaws.com/node-health-status) under the job's pods.
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get", "list", "watch"]
+# kopf scans CRDs to resolve the resources it serves.
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["get", "list", "watch"]
+{{- end }}
+
+{{/* Command-line arguments of `daedalus operator` (kopf run flags). */}}
+{{- define "daedalus.operatorArgs" -}}
+- --liveness=http://0.0.0.0:{{ .Values.operator.healthPort }}/healthz
+- --metrics-port={{ .Values.operator.metricsPort }}
+{{- if .Values.operator.peering.enabled }}
+- --peering={{ .Values.operator.peering.name }}
+{{- else }}
+- --standalone
+{{- end }}
+{{- if .Values.operator.watchNamespaces }}
+{{- range .Values.operator.watchNamespaces }}
+- --namespace={{ . }}
+{{- end }}
+{{- else }}
+- --all-namespaces
+{{- end }}
+{{- if eq .Values.operator.logLevel "verbose" }}
+- --verbose
+{{- else if eq .Values.operator.logLevel "debug" }}
+- --debug
+{{- else if eq .Values.operator.logLevel "quiet" }}
+- --quiet
+{{- end }}
+- --log-format={{ .Values.operator.logFormat }}
+{{- range .Values.operator.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
