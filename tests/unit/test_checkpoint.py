@@ -1,0 +1,458 @@
+"""Checkpoints (DESIGN §4): round trip, manifest verification, fallback on corruption, rotation, full disk, export.
+
+Full disk: two honest simulations, both real writes through the real checkpoint code.
+1. ``FullDisk``: a test double for the DISK passed as the documented ``opener`` parameter; it writes real files and
+   raises ``OSError(ENOSPC)`` once a byte budget is spent, exactly as ``write(2)`` does on a full file system.
+   Always runs (CI may not allow mounts).
+2. A real 1 MiB tmpfs (``mount -t tmpfs -o size=1m``): runs where mounting is permitted (root with CAP_SYS_ADMIN, as
+   on the development machine), skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from daedalus_trainer.checkpoint import (
+    LATEST,
+    MANIFEST,
+    AdapterState,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointManager,
+    CheckpointSaveError,
+    TrainerState,
+    capture_rng_state,
+    export_adapter,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest,
+    resolve_resume,
+    restore_rng_state,
+    verify_checkpoint,
+)
+
+torch.set_num_threads(1)
+
+PREFIX = "base_model.model.layers.0.self_attn.q_proj"
+
+
+class TinyLoRA(torch.nn.Module):
+    """A frozen linear layer with a LoRA pair: y = W x + B A x (Hu et al. 2021). x: [batch, 8] -> y: [batch, 6]."""
+
+    def __init__(self, seed: int, rank: int = 4) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.base = torch.nn.Linear(8, 6)
+        with torch.no_grad():  # seeded too: nn.Linear's own init draws from the global RNG
+            self.base.weight.copy_(torch.randn(6, 8, generator=g))
+            self.base.bias.copy_(torch.randn(6, generator=g))
+        self.base.requires_grad_(False)
+        self.lora_A = torch.nn.Parameter(torch.randn(rank, 8, generator=g) * 0.1)
+        self.lora_B = torch.nn.Parameter(torch.randn(6, rank, generator=g) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.lora_A.T @ self.lora_B.T
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{PREFIX}.lora_A.weight": self.lora_A.detach().clone(),
+                f"{PREFIX}.lora_B.weight": self.lora_B.detach().clone()}
+
+
+LORA_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": {"q_proj", "v_proj"},
+               "task_type": "CAUSAL_LM", "base_model_name_or_path": "tiny"}
+
+
+def train_steps(model: TinyLoRA, opt: torch.optim.Optimizer, n: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(5, 8, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def make_state(step: int, extra_tensors: dict[str, torch.Tensor] | None = None):
+    model = TinyLoRA(seed=0)
+    opt = torch.optim.AdamW([model.lora_A, model.lora_B], lr=1e-2)
+    train_steps(model, opt, max(step, 1), seed=step)
+    tensors = model.adapter_tensors() | (extra_tensors or {})
+    state = TrainerState(sampler={"seed": 7, "next_index": step * 8},
+                         rng=capture_rng_state(),
+                         metric_history=[{"step": s, "reward_mean": s / 10, "kl": float("nan")} for s in range(step)])
+    return AdapterState(tensors, LORA_CONFIG), opt.state_dict(), state
+
+
+def save_steps(manager: CheckpointManager, steps) -> dict:
+    infos = {}
+    for s in steps:
+        infos[s] = manager.save(s, *make_state(s))
+    return infos
+
+
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_round_trip_restores_adapter_optimizer_and_rng_exactly(tmp_path: Path) -> None:
+    model = TinyLoRA(seed=1)
+    opt = torch.optim.AdamW([model.lora_A, model.lora_B], lr=1e-2)
+    train_steps(model, opt, 3, seed=11)
+    extra = {"bf16.weight": torch.randn(3, 2).to(torch.bfloat16)}
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    rng = capture_rng_state()
+    expected_draws = (random.random(), np.random.rand(), torch.rand(3))
+    manager = CheckpointManager(tmp_path / "ckpt", keep=2)
+    info = manager.save(3, AdapterState(model.adapter_tensors() | extra, LORA_CONFIG), opt.state_dict(),
+                        TrainerState(sampler={"next": 24}, rng=rng, metric_history=[{"step": 3, "kl": float("nan")}],
+                                     extra={"note": "x"}))
+    assert info.step == 3 and info.path == (tmp_path / "ckpt" / "step-000003").absolute()
+    assert info.bytes == sum(p.stat().st_size for p in info.path.rglob("*") if p.is_file())
+    assert info.seconds > 0 and abs(info.time - os.path.getmtime(info.path / MANIFEST)) < 60
+
+    # Continue the original for 2 steps; the resumed copy must match bit for bit.
+    train_steps(model, opt, 2, seed=99)
+
+    loaded = manager.load_latest()
+    assert loaded is not None and loaded.step == 3 and loaded.path == info.path
+    tensors = loaded.load_adapter_tensors()
+    assert set(tensors) == {f"{PREFIX}.lora_A.weight", f"{PREFIX}.lora_B.weight", "bf16.weight"}
+    assert tensors["bf16.weight"].dtype == torch.bfloat16 and torch.equal(tensors["bf16.weight"], extra["bf16.weight"])
+    config = loaded.load_adapter_config()
+    assert config["r"] == 4 and config["target_modules"] == ["q_proj", "v_proj"]  # set written as sorted list
+
+    resumed = TinyLoRA(seed=1)
+    with torch.no_grad():
+        resumed.lora_A.copy_(tensors[f"{PREFIX}.lora_A.weight"])
+        resumed.lora_B.copy_(tensors[f"{PREFIX}.lora_B.weight"])
+    resumed_opt = torch.optim.AdamW([resumed.lora_A, resumed.lora_B], lr=1e-2)
+    resumed_opt.load_state_dict(loaded.load_optimizer_state())
+    train_steps(resumed, resumed_opt, 2, seed=99)
+    assert torch.equal(resumed.lora_A, model.lora_A) and torch.equal(resumed.lora_B, model.lora_B)
+
+    ts = loaded.trainer_state
+    assert ts.sampler == {"next": 24} and ts.extra == {"note": "x"}
+    assert ts.metric_history[0]["step"] == 3 and np.isnan(ts.metric_history[0]["kl"])
+    random.random(), np.random.rand(), torch.rand(3)  # move the generators on
+    restore_rng_state(ts.rng)
+    draws = (random.random(), np.random.rand(), torch.rand(3))
+    assert draws[0] == expected_draws[0] and draws[1] == expected_draws[1] and torch.equal(draws[2], expected_draws[2])
+
+
+def test_layout_manifest_and_pointer(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    info = CheckpointManager(root, keep=3).save(120, *make_state(2))
+    files = sorted(p.relative_to(info.path).as_posix() for p in info.path.rglob("*") if p.is_file())
+    assert files == ["MANIFEST.json", "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+                     "optimizer.pt", "trainer_state.json"]
+    manifest = json.loads((info.path / MANIFEST).read_text())
+    assert manifest["step"] == 120
+    for entry in manifest["files"]:
+        data = (info.path / entry["path"]).read_bytes()
+        assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert {e["path"] for e in manifest["files"]} == set(files) - {"MANIFEST.json"}
+    assert json.loads((info.path / "trainer_state.json").read_text())["step"] == 120
+    assert (root / LATEST).read_text() == "step-000120\n"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000120"]  # no temporaries left
+    assert verify_checkpoint(info.path) == []
+
+
+def test_peft_writer_round_trip_is_loadable_by_peft(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = torch.nn.Linear(8, 8)
+            self.out = torch.nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.q_proj(x)))
+
+    torch.manual_seed(0)
+    base = Net()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()  # non-zero B so the adapter changes the output
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    opt.step()
+    expected = model(x).detach()
+
+    info = CheckpointManager(tmp_path / "ckpt", keep=1).save(
+        1, lambda d: model.save_pretrained(d), opt.state_dict(), TrainerState())
+    loaded = load_latest(tmp_path / "ckpt")
+    assert loaded is not None and loaded.step == 1
+    listed = {e["path"] for e in loaded.manifest["files"]}
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= listed
+
+    torch.manual_seed(0)
+    fresh_base = Net()  # same seed, same base weights as `base` before peft wrapped it
+    reloaded = peft.PeftModel.from_pretrained(fresh_base, str(info.adapter_dir))
+    assert torch.equal(reloaded(x), expected)
+
+
+def test_writer_that_writes_nothing_is_a_clear_error_and_leaves_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep=2)
+    save_steps(manager, [1])
+    _, opt_state, state = make_state(2)
+    with pytest.raises(CheckpointSaveError, match="adapter writer did not write adapter_config.json"):
+        manager.save(2, lambda d: None, opt_state, state)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]
+
+
+@pytest.mark.parametrize(
+    ("target", "damage", "reason"),
+    [
+        ("adapter/adapter_model.safetensors", "truncate", "size mismatch"),
+        ("optimizer.pt", "flip", "sha256 mismatch"),
+        ("trainer_state.json", "flip", "sha256 mismatch"),
+        ("adapter/adapter_config.json", "delete", "missing"),
+        ("MANIFEST.json", "delete", "missing"),
+        ("MANIFEST.json", "truncate", "unreadable JSON"),
+    ],
+)
+def test_corrupt_newest_falls_back_to_previous_with_log(tmp_path: Path, caplog, target: str, damage: str,
+                                                         reason: str) -> None:
+    root = tmp_path / "ckpt"
+    save_steps(CheckpointManager(root, keep=3), [10, 20])
+    victim = root / "step-000020" / target
+    if damage == "truncate":
+        size = victim.stat().st_size
+        with open(victim, "r+b") as f:
+            f.truncate(size // 2)
+    elif damage == "flip":
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        victim.write_bytes(bytes(data))
+    else:
+        victim.unlink()
+
+    with caplog.at_level(logging.WARNING, logger="daedalus_trainer.checkpoint"):
+        loaded = load_latest(root)
+    assert loaded is not None and loaded.step == 10
+    assert loaded.path.name == "step-000010"
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("step-000020" in line and target in line and reason in line and "falling back to step-000010" in line
+               for line in lines), lines
+
+
+def test_all_corrupt_raises_and_empty_root_returns_none(tmp_path: Path) -> None:
+    assert load_latest(tmp_path / "nothing-here") is None
+    root = tmp_path / "ckpt"
+    save_steps(CheckpointManager(root, keep=3), [1, 2])
+    for d in ("step-000001", "step-000002"):
+        (root / d / "optimizer.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointCorruptError, match="none of the 2 checkpoint") as exc:
+        load_latest(root)
+    assert {p.name for p in exc.value.problems} == {"step-000001", "step-000002"}
+
+
+def test_keep_n_rotation_never_deletes_latest(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep=2)
+    save_steps(manager, [1, 2, 3, 4, 5])
+    assert [s for s, _ in list_checkpoints(root)] == [4, 5]
+    assert (root / LATEST).read_text().strip() == "step-000005"
+    assert not any(p.name.startswith(".") for p in root.iterdir())
+    one = CheckpointManager(root, keep=1)
+    one.save(6, *make_state(6))
+    assert [s for s, _ in list_checkpoints(root)] == [6]
+    with pytest.raises(ValueError, match="keep must be an integer >= 1"):
+        CheckpointManager(root, keep=0)
+
+
+def test_newer_complete_checkpoint_without_pointer_update_is_used(tmp_path: Path) -> None:
+    """A crash between the directory rename and the pointer update leaves a complete newer checkpoint."""
+    root = tmp_path / "ckpt"
+    save_steps(CheckpointManager(root, keep=3), [1, 2])
+    (root / LATEST).write_text("step-000001\n")
+    loaded = load_latest(root)
+    assert loaded is not None and loaded.step == 2
+
+
+def test_leftover_temporary_from_killed_save_is_ignored_then_removed(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep=3)
+    save_steps(manager, [1])
+    half = root / ".tmp-step-000002-deadbeef"
+    (half / "adapter").mkdir(parents=True)
+    (half / "optimizer.pt").write_bytes(b"partial")
+    loaded = load_latest(root)
+    assert loaded is not None and loaded.step == 1
+    manager.save(2, *make_state(2))
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001", "step-000002"]
+
+
+def test_resume_option_semantics(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    save_steps(CheckpointManager(root, keep=3), [1, 2])
+    assert resolve_resume("none", root) is None
+    assert resolve_resume("latest", root).step == 2
+    assert resolve_resume("latest", tmp_path / "empty") is None
+    assert resolve_resume(str(root / "step-000001"), tmp_path / "elsewhere").step == 1
+    assert resolve_resume(str(root), tmp_path / "elsewhere").step == 2
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_resume(str(tmp_path / "missing"), root)
+    (root / "step-000001" / "trainer_state.json").write_text("{}")
+    with pytest.raises(CheckpointCorruptError, match="trainer_state.json: size mismatch"):
+        resolve_resume(str(root / "step-000001"), root)  # an explicit PATH never falls back
+
+
+def test_saving_an_older_step_moves_the_abandoned_timeline_aside(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep=5)
+    save_steps(manager, [1, 2, 3])
+    start = resolve_resume(str(root / "step-000001"), root)
+    assert start.step == 1
+    manager.save(2, *make_state(2))
+    assert [s for s, _ in list_checkpoints(root)] == [1, 2]
+    aside = sorted(p.name for p in root.iterdir() if p.name.startswith("abandoned-"))
+    assert [n[: len("abandoned-step-000002")] for n in aside] == ["abandoned-step-000002", "abandoned-step-000003"]
+    assert all(verify_checkpoint(root / n) == [] for n in aside)  # kept intact, not deleted
+    assert load_latest(root).step == 2
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Full disk
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class FullDisk:
+    """A disk with ``budget`` free bytes: an ``opener`` whose files write for real until the budget is spent, then
+    raise ``OSError(ENOSPC)`` like write(2) on a full file system. Counts what was written in ``written``."""
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self.written = 0
+
+    def __call__(self, path: Path, mode: str):
+        disk = self
+
+        class File(io.FileIO):
+            def write(self, b) -> int:
+                n = len(memoryview(b))
+                if disk.written + n > disk.budget:
+                    room = max(0, int(disk.budget - disk.written))
+                    super().write(bytes(memoryview(b)[:room]))
+                    disk.written += room
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                disk.written += n
+                return super().write(b)
+
+        return File(path, mode)
+
+
+def assert_previous_intact(root: Path, step: int) -> None:
+    assert (root / LATEST).read_text().strip() == f"step-{step:06d}"
+    assert [s for s, _ in list_checkpoints(root)] == [step]
+    assert verify_checkpoint(root / f"step-{step:06d}") == []
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")], "temporary files left behind"
+    assert load_latest(root).step == step
+
+
+@pytest.mark.parametrize("where", ["first file", "optimizer", "pointer"])
+def test_enospc_during_save_keeps_previous_checkpoint(tmp_path: Path, where: str) -> None:
+    root = tmp_path / "ckpt"
+    save_steps(CheckpointManager(root, keep=3), [1])
+    args = make_state(2)
+    # Measure what a save of step 2 writes through the opener, on a scratch root.
+    probe = FullDisk(float("inf"))
+    CheckpointManager(tmp_path / "probe", keep=3, opener=probe).save(2, *args)
+    adapter_bytes = (tmp_path / "probe" / "step-000002" / "adapter" / "adapter_model.safetensors").stat().st_size
+    budget = {"first file": 100, "optimizer": adapter_bytes + 600, "pointer": probe.written - 6}[where]
+    disk = FullDisk(budget)
+    with pytest.raises(CheckpointSaveError, match="no space left on device") as exc:
+        CheckpointManager(root, keep=3, opener=disk).save(2, *args)
+    assert exc.value.errno == errno.ENOSPC and isinstance(exc.value.__cause__, OSError)
+    assert disk.written == budget
+    assert_previous_intact(root, 1)
+
+
+def _try_mount_tmpfs(mountpoint: Path, size: str) -> str | None:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return "needs root and mount(8)"
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)],
+                          capture_output=True, text=True, timeout=10)
+    return None if proc.returncode == 0 else f"mount -t tmpfs failed: {proc.stderr.strip()}"
+
+
+def test_enospc_on_a_real_full_tmpfs_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    why = _try_mount_tmpfs(mnt, "1m")
+    if why:
+        pytest.skip(why)
+    try:
+        root = mnt / "ckpt"
+        manager = CheckpointManager(root, keep=3)
+        first = manager.save(1, *make_state(1))
+        assert first.bytes < 200_000
+        free_before = shutil.disk_usage(mnt).free
+        big = {"big.weight": torch.randn(512, 1024)}  # 2 MiB of float32: cannot fit in 1 MiB
+        with pytest.raises(CheckpointSaveError, match="no space left on device") as exc:
+            manager.save(2, *make_state(2, extra_tensors=big))
+        assert exc.value.errno == errno.ENOSPC
+        assert_previous_intact(root, 1)
+        assert shutil.disk_usage(mnt).free == free_before  # the partial checkpoint's space was given back
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False, timeout=10)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_export_adapter_copies_atomically_and_refuses_corrupt_source(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    infos = save_steps(CheckpointManager(root, keep=3), [1, 2])
+    dest = tmp_path / "run" / "exports" / "adapter"
+    assert export_adapter(infos[1], dest) == dest.absolute()
+    assert sorted(p.name for p in dest.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert (dest / "adapter_model.safetensors").read_bytes() == (
+        infos[1].adapter_dir / "adapter_model.safetensors").read_bytes()
+
+    export_adapter(load_checkpoint(infos[2].path), dest)  # replaces the previous export
+    assert (dest / "adapter_model.safetensors").read_bytes() == (
+        infos[2].adapter_dir / "adapter_model.safetensors").read_bytes()
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["adapter"]
+
+    weights = infos[1].adapter_dir / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x00")
+    before = (dest / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(CheckpointCorruptError, match="adapter_model.safetensors"):
+        export_adapter(infos[1].path, dest)
+    assert (dest / "adapter_model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["adapter"]
+
+
+def test_bad_arguments_are_rejected_before_writing(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path / "ckpt", keep=2)
+    adapter, opt_state, state = make_state(1)
+    with pytest.raises(ValueError, match="step must be an integer >= 0"):
+        manager.save(-1, adapter, opt_state, state)
+    with pytest.raises(TypeError, match="trainer_state must be a TrainerState"):
+        manager.save(1, adapter, opt_state, {"step": 1})
+    with pytest.raises(ValueError, match="non-empty mapping of torch.Tensor"):
+        manager.save(1, AdapterState({"a": [1, 2]}, {}), opt_state, state)
+    with pytest.raises(TypeError, match="not JSON serialisable"):
+        manager.save(1, adapter, opt_state, TrainerState(extra={"obj": object()}))
+    assert not (tmp_path / "ckpt").exists()

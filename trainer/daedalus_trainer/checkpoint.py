@@ -1,0 +1,931 @@
+"""Crash-safe training checkpoints: save, verify, rotate, resume, export (DESIGN §4 "Checkpoints").
+
+Layout under a checkpoint root (e.g. ``runs/<name>/checkpoints`` locally, the FSx claim's ``checkpoint.path`` on a
+cluster)::
+
+    <root>/
+      latest                    one line: the directory name of the last committed checkpoint, e.g. "step-000120"
+      step-000120/
+        adapter/                PEFT adapter directory, servable by vLLM (``enable_lora``) and ``PeftModel``
+          adapter_config.json
+          adapter_model.safetensors
+        optimizer.pt            ``torch.save(optimizer.state_dict())``; read back with ``weights_only=True``
+        trainer_state.json      step, sampler state, RNG states (python, numpy, torch), metric history
+        MANIFEST.json           relative path, size in bytes and sha256 of every other file
+
+Write protocol (one writer per root; the operator stops a Ray job before it submits the next attempt):
+
+1. every file is written into ``<root>/.tmp-step-NNNNNN-<random>/`` (same file system, so the rename is atomic);
+2. every file is fsynced, then ``MANIFEST.json``, then the directories (POSIX ``fsync(2)``; a rename is only durable
+   once the parent directory is fsynced too);
+3. the temporary directory is renamed to ``step-NNNNNN`` and the root is fsynced;
+4. ``latest`` is replaced by write-temp + fsync + ``os.replace`` + fsync of the root (``rename(2)`` is atomic);
+5. checkpoints beyond the newest ``keep`` are deleted, never the one ``latest`` names.
+
+A failure at any point (a full disk, ``ENOSPC``, included) removes what this save wrote, leaves every earlier
+checkpoint and the ``latest`` pointer as they were, and raises :class:`CheckpointSaveError`.
+
+Reading: :func:`load_latest` verifies candidates newest first against their manifest and falls back to older ones,
+logging (``logging.warning``) which file was bad and why. Checkpoints of a higher step than the one being saved
+belong to an abandoned timeline (``resume: none`` or an explicit older ``PATH``); :meth:`CheckpointManager.save`
+renames them to ``abandoned-step-NNNNNN-<utc>`` (never deletes them) so that ``resume: latest`` continues the run
+that is actually going on.
+
+Only the LoRA adapter and its optimizer state are stored, so resuming does not depend on the number of GPUs.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime as _dt
+import enum
+import errno
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, Any, Union
+
+import numpy as np
+import safetensors.torch
+import torch
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_DIR",
+    "ADAPTER_WEIGHTS",
+    "FORMAT",
+    "LATEST",
+    "MANIFEST",
+    "OPTIMIZER",
+    "TRAINER_STATE",
+    "AdapterState",
+    "AdapterWriter",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointSaveError",
+    "LoadedCheckpoint",
+    "ManifestProblem",
+    "Opener",
+    "TrainerState",
+    "capture_rng_state",
+    "checkpoint_dir_name",
+    "export_adapter",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_latest",
+    "read_latest_pointer",
+    "resolve_resume",
+    "restore_rng_state",
+    "verify_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "daedalus-checkpoint/1"
+"""Value of ``format`` in MANIFEST.json and trainer_state.json; bump when the layout changes incompatibly."""
+
+LATEST = "latest"
+MANIFEST = "MANIFEST.json"
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER = "optimizer.pt"
+ADAPTER_DIR = "adapter"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""File names of the PEFT adapter format (peft ``CONFIG_NAME`` / ``SAFETENSORS_WEIGHTS_NAME``)."""
+
+REQUIRED_FILES = (
+    f"{ADAPTER_DIR}/{ADAPTER_CONFIG}",
+    f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}",
+    OPTIMIZER,
+    TRAINER_STATE,
+)
+"""Paths (relative to a checkpoint directory) that a manifest must list for the checkpoint to be usable."""
+
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+_TMP_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
+_HASH_CHUNK = 1 << 20
+
+Opener = Callable[[Path, str], IO[bytes]]
+"""``opener(path, mode) -> binary file object`` used for every file this module writes itself (mode is ``"wb"``).
+
+The default is the built-in :func:`open`. The object must support ``write``, ``flush``, ``close`` and the context
+manager protocol. Tests pass a wrapper that plays a full disk (raises
+``OSError(ENOSPC)`` past a byte budget); production code never sets it. Files written by an :data:`AdapterWriter`
+callable (e.g. ``PeftModel.save_pretrained``) do not go through it.
+"""
+
+AdapterWriter = Callable[[Path], None]
+"""``writer(adapter_dir)`` writes a PEFT adapter into the given (existing, empty) directory, e.g.
+``lambda d: peft_model.save_pretrained(d)``. It must produce ``adapter_config.json`` and
+``adapter_model.safetensors``; any extra files (peft's README.md) are kept and listed in the manifest."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Errors and values
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class CheckpointError(Exception):
+    """Base class of every error this module raises on purpose."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """Saving failed; nothing of the failed save is left and earlier checkpoints and ``latest`` are unchanged.
+
+    ``errno`` carries the underlying ``OSError.errno`` (``errno.ENOSPC`` for a full disk) or ``None``; the original
+    exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, step: int, root: Path, errno_: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.root = root
+        self.errno = errno_
+
+
+@dataclasses.dataclass(frozen=True)
+class ManifestProblem:
+    """Why one file of a checkpoint fails verification.
+
+    ``reason`` is one of ``"missing"``, ``"size mismatch"``, ``"sha256 mismatch"``, ``"unreadable JSON"``,
+    ``"not in manifest"``, ``"bad manifest"``; ``detail`` is a human-readable explanation.
+    """
+
+    file: str
+    reason: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.reason} ({self.detail})"
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint (or every checkpoint under a root) failed manifest verification.
+
+    ``problems`` maps each rejected checkpoint directory to its list of :class:`ManifestProblem`.
+    """
+
+    def __init__(self, message: str, problems: Mapping[Path, list[ManifestProblem]]) -> None:
+        super().__init__(message)
+        self.problems = dict(problems)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterState:
+    """A LoRA adapter as data: the tensors and the PEFT config.
+
+    Attributes:
+        tensors: name -> tensor in PEFT's saved key format (what ``peft.get_peft_model_state_dict(model)`` returns,
+            e.g. ``base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight`` of shape
+            ``[r, in_features]``; ``lora_B`` ``[out_features, r]``). Any device and dtype; written as-is (dtype kept)
+            after ``detach().cpu().contiguous()``.
+        config: the ``adapter_config.json`` content, e.g. ``peft_model.peft_config["default"].to_dict()``. Sets
+            are written as sorted lists and enums as their values, as peft itself does.
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    config: Mapping[str, Any]
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """The JSON part of a checkpoint (``trainer_state.json``), everything except tensors.
+
+    Attributes:
+        sampler: state of the maze sampler (JSON-serialisable; e.g. ``{"seed": 7, "next_index": 96}``).
+        rng: global RNG states as returned by :func:`capture_rng_state` (python, numpy, torch, torch_cuda).
+        metric_history: one dict per completed step (e.g. ``{"step": 3, "reward_mean": 0.5, ...}``), oldest first;
+            NaN and infinities are kept (written as the non-standard JSON tokens ``NaN``/``Infinity`` that Python
+            reads back).
+        extra: anything else the loop needs to continue bit-for-bit (JSON-serialisable).
+    """
+
+    sampler: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rng: dict[str, Any] = dataclasses.field(default_factory=dict)
+    metric_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json_dict(self, step: int) -> dict[str, Any]:
+        """The document written to ``trainer_state.json`` for checkpoint ``step``."""
+        return {
+            "format": FORMAT,
+            "step": step,
+            "sampler": self.sampler,
+            "rng": self.rng,
+            "metric_history": self.metric_history,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json_dict(cls, doc: Mapping[str, Any]) -> TrainerState:
+        """Inverse of :meth:`to_json_dict` (the ``step`` key is read by the caller)."""
+        return cls(
+            sampler=dict(doc.get("sampler") or {}),
+            rng=dict(doc.get("rng") or {}),
+            metric_history=list(doc.get("metric_history") or []),
+            extra=dict(doc.get("extra") or {}),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What :meth:`CheckpointManager.save` wrote.
+
+    Attributes:
+        step: the training step the checkpoint holds (completed steps).
+        path: absolute path of the ``step-NNNNNN`` directory.
+        time: commit time, Unix seconds (``time.time()`` after ``latest`` was replaced).
+        bytes: total size of all files in the checkpoint, MANIFEST.json included, in bytes.
+        seconds: wall-clock duration of the save, in seconds.
+    """
+
+    step: int
+    path: Path
+    time: float
+    bytes: int
+    seconds: float
+
+    @property
+    def adapter_dir(self) -> Path:
+        """The PEFT adapter directory inside the checkpoint."""
+        return self.path / ADAPTER_DIR
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A checkpoint that passed manifest verification. Tensors are read lazily by the ``load_*`` methods.
+
+    Attributes:
+        step: the training step it holds.
+        path: absolute path of the ``step-NNNNNN`` directory.
+        time: commit time from the manifest, Unix seconds.
+        bytes: total size of the checkpoint's files in bytes.
+        trainer_state: the parsed ``trainer_state.json``.
+        manifest: the parsed ``MANIFEST.json``.
+    """
+
+    step: int
+    path: Path
+    time: float
+    bytes: int
+    trainer_state: TrainerState
+    manifest: Mapping[str, Any]
+
+    @property
+    def adapter_dir(self) -> Path:
+        """The PEFT adapter directory (pass it to ``PeftModel.from_pretrained`` or vLLM's ``LoRARequest``)."""
+        return self.path / ADAPTER_DIR
+
+    def load_adapter_tensors(self, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """The adapter tensors (PEFT key format, shapes as saved) via ``safetensors.torch.load_file``."""
+        return safetensors.torch.load_file(self.adapter_dir / ADAPTER_WEIGHTS, device=device)
+
+    def load_adapter_config(self) -> dict[str, Any]:
+        """The parsed ``adapter_config.json``."""
+        return json.loads((self.adapter_dir / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+
+    def load_optimizer_state(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+        """The optimizer ``state_dict`` (``torch.load(..., weights_only=True)``: tensors and plain containers only,
+        no arbitrary unpickling). Pass it to ``optimizer.load_state_dict``."""
+        return torch.load(self.path / OPTIMIZER, map_location=map_location, weights_only=True)
+
+    def info(self) -> CheckpointInfo:
+        """This checkpoint as a :class:`CheckpointInfo` (``seconds`` is 0: it was not saved by this process)."""
+        return CheckpointInfo(step=self.step, path=self.path, time=self.time, bytes=self.bytes, seconds=0.0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# RNG state (python, numpy, torch) as JSON
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The global RNG states of ``random``, ``numpy.random`` (legacy global MT19937) and torch, JSON-serialisable.
+
+    torch states are ``ByteTensor``s (5056 bytes for the CPU Mersenne Twister) stored as base64; CUDA states are
+    included (one per visible device) only when CUDA is initialised. Restore with :func:`restore_rng_state`.
+    """
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss},
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": np_state["state"]["key"].tolist(),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = [
+            base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in torch.cuda.get_rng_state_all()
+        ]
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Set the global RNGs from a :func:`capture_rng_state` dict. Keys that are absent are left alone.
+
+    Raises:
+        ValueError: a state has the wrong shape or type.
+    """
+    try:
+        if "python" in state:
+            py = state["python"]
+            random.setstate((int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"]))
+        if "numpy" in state:
+            n = state["numpy"]
+            np.random.set_state(
+                {
+                    "bit_generator": n["bit_generator"],
+                    "state": {"key": np.asarray(n["key"], dtype=np.uint32), "pos": int(n["pos"])},
+                    "has_gauss": int(n["has_gauss"]),
+                    "gauss": float(n["gauss"]),
+                }
+            )
+        if "torch" in state:
+            raw = base64.b64decode(state["torch"])
+            torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        if "torch_cuda" in state and torch.cuda.is_available():
+            cuda_states = [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+                           for s in state["torch_cuda"]]
+            if len(cuda_states) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(cuda_states)
+            else:
+                log.warning("not restoring CUDA RNG states: checkpoint has %d devices, this process sees %d",
+                            len(cuda_states), torch.cuda.device_count())
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"invalid RNG state in checkpoint: {e}") from e
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """``step-NNNNNN``: the step zero-padded to 6 digits (more digits beyond 999999)."""
+    return f"step-{step:06d}"
+
+
+def _step_of(name: str) -> int | None:
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step-NNNNNN`` directory under ``root``, oldest first; ``[]`` if ``root`` is absent.
+
+    Lists directories only; says nothing about whether they verify (see :func:`verify_checkpoint`).
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        step = _step_of(entry.name)
+        if step is not None and entry.is_dir():
+            found.append((step, entry.absolute()))
+    return sorted(found)
+
+
+def read_latest_pointer(root: str | os.PathLike[str]) -> str | None:
+    """The directory name the ``latest`` pointer holds, or ``None`` if there is no (valid) pointer."""
+    try:
+        name = (Path(root) / LATEST).read_text(encoding="utf-8").strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        log.warning("checkpoint pointer %s is unreadable: %s", Path(root) / LATEST, e)
+        return None
+    if _step_of(name) is None:
+        log.warning("checkpoint pointer %s holds %r, not a step-NNNNNN name; ignoring it", Path(root) / LATEST, name)
+        return None
+    return name
+
+
+def _fsync_path(path: Path, *, directory: bool = False) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256_and_size(path: Path, *, fsync: bool = False) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return h.hexdigest(), size
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=str)
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return obj.item()
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def _dump_json(obj: Any, *, compact: bool = False) -> bytes:
+    if compact:  # trainer_state.json: RNG states are long int lists, one per line would be ~10x larger
+        text = json.dumps(obj, separators=(",", ":"), sort_keys=True, default=_json_default)
+    else:
+        text = json.dumps(obj, indent=2, sort_keys=True, default=_json_default)
+    return (text + "\n").encode("utf-8")
+
+
+def _torch_save_bytes(obj: Mapping[str, Any]) -> bytes:
+    """``torch.save`` into memory. Writing straight to a file would let torch's C++ zip writer turn an ``OSError``
+    (``ENOSPC``) into ``RuntimeError: unexpected pos ...`` and lose the errno; the bytes are written by
+    :meth:`CheckpointManager._write_bytes` instead. Costs one copy of the optimizer state in host memory (LoRA
+    only: about twice the adapter)."""
+    buffer = io.BytesIO()
+    torch.save(dict(obj), buffer)
+    return buffer.getvalue()
+
+
+def _files_under(directory: Path) -> list[Path]:
+    """Every regular file under ``directory``, sorted by relative POSIX path."""
+    return sorted((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.relative_to(directory).as_posix())
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a directory so that no half-deleted ``step-*`` is ever visible: rename to ``.trash-*`` first."""
+    if not path.exists():
+        return
+    trash = path.with_name(f"{_TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _utc_now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Verification and loading
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[ManifestProblem]]:
+    mpath = path / MANIFEST
+    try:
+        doc = json.loads(mpath.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, [ManifestProblem(MANIFEST, "missing", f"{mpath} does not exist")]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, [ManifestProblem(MANIFEST, "unreadable JSON", str(e))]
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), list):
+        return None, [ManifestProblem(MANIFEST, "bad manifest", "no 'files' list")]
+    if doc.get("format") != FORMAT:
+        return None, [ManifestProblem(MANIFEST, "bad manifest", f"format {doc.get('format')!r}, expected {FORMAT!r}")]
+    return doc, []
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> list[ManifestProblem]:
+    """Check every file of a checkpoint against its MANIFEST.json: presence, size in bytes, sha256.
+
+    Also requires the manifest to list every file in :data:`REQUIRED_FILES` and ``trainer_state.json`` /
+    ``adapter_config.json`` to parse as JSON. Reads every byte once (sha256 over the whole checkpoint).
+
+    Returns:
+        The problems found, empty when the checkpoint is usable.
+    """
+    path = Path(path)
+    doc, problems = _read_manifest(path)
+    if doc is None:
+        return problems
+    listed: set[str] = set()
+    for entry in doc["files"]:
+        try:
+            rel, size, sha = str(entry["path"]), int(entry["bytes"]), str(entry["sha256"])
+        except (KeyError, TypeError, ValueError):
+            problems.append(ManifestProblem(MANIFEST, "bad manifest", f"malformed entry {entry!r}"))
+            continue
+        listed.add(rel)
+        fpath = path / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            problems.append(ManifestProblem(rel, "bad manifest", "path escapes the checkpoint directory"))
+            continue
+        try:
+            actual_size = fpath.stat().st_size
+        except FileNotFoundError:
+            problems.append(ManifestProblem(rel, "missing", f"{fpath} does not exist"))
+            continue
+        if actual_size != size:
+            problems.append(ManifestProblem(rel, "size mismatch", f"{actual_size} bytes on disk, manifest says {size}"))
+            continue
+        actual_sha, _ = _sha256_and_size(fpath)
+        if actual_sha != sha:
+            problems.append(ManifestProblem(rel, "sha256 mismatch", f"{actual_sha} on disk, manifest says {sha}"))
+            continue
+        if rel.endswith(".json"):
+            try:
+                json.loads(fpath.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                problems.append(ManifestProblem(rel, "unreadable JSON", str(e)))
+    for rel in REQUIRED_FILES:
+        if rel not in listed:
+            problems.append(ManifestProblem(rel, "not in manifest", "required checkpoint file is not listed"))
+    return problems
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> LoadedCheckpoint:
+    """Verify and open one checkpoint directory (no fallback).
+
+    Raises:
+        CheckpointCorruptError: it fails verification (``problems`` says which files and why).
+        CheckpointError: ``path`` is not a directory.
+    """
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
+    problems = verify_checkpoint(path)
+    if problems:
+        raise CheckpointCorruptError(
+            f"checkpoint {path} failed verification: " + "; ".join(map(str, problems)), {path: problems}
+        )
+    manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    state_doc = json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
+    step = int(state_doc["step"])
+    total = sum(int(e["bytes"]) for e in manifest["files"]) + (path / MANIFEST).stat().st_size
+    return LoadedCheckpoint(
+        step=step,
+        path=path,
+        time=float(manifest.get("time", (path / MANIFEST).stat().st_mtime)),
+        bytes=total,
+        trainer_state=TrainerState.from_json_dict(state_doc),
+        manifest=manifest,
+    )
+
+
+def load_latest(root: str | os.PathLike[str]) -> LoadedCheckpoint | None:
+    """The newest (highest step) checkpoint under ``root`` whose manifest verifies.
+
+    Each rejected candidate is logged with ``logging.warning`` naming the checkpoint, the bad file and why
+    ("size mismatch", "sha256 mismatch", "missing", "unreadable JSON", ...), then the next older one is tried.
+
+    Returns:
+        The checkpoint, or ``None`` when ``root`` holds no ``step-*`` directory at all (a fresh run).
+
+    Raises:
+        CheckpointCorruptError: checkpoints exist but none verifies (starting from scratch silently would lose
+            the run; a human should look).
+    """
+    root = Path(root)
+    candidates = list(reversed(list_checkpoints(root)))
+    if not candidates:
+        log.info("no checkpoint under %s", root)
+        return None
+    pointer = read_latest_pointer(root)
+    if pointer is not None and not (root / pointer).is_dir():
+        log.warning("checkpoint pointer %s names %s, which does not exist", root / LATEST, pointer)
+    rejected: dict[Path, list[ManifestProblem]] = {}
+    for i, (step, path) in enumerate(candidates):
+        try:
+            loaded = load_checkpoint(path)
+        except CheckpointCorruptError as e:
+            problems = e.problems[path]
+        except (OSError, ValueError, KeyError, TypeError) as e:  # e.g. trainer_state.json lacking "step"
+            problems = [ManifestProblem(TRAINER_STATE, "unreadable JSON", f"{type(e).__name__}: {e}")]
+        else:
+            if rejected:
+                log.warning("resuming from older checkpoint %s after rejecting %d newer one(s)", path, len(rejected))
+            if pointer is not None and pointer != path.name:
+                log.info("checkpoint pointer names %s; resuming from newer verified %s", pointer, path.name)
+            return loaded
+        rejected[path] = problems
+        fallback = candidates[i + 1][1].name if i + 1 < len(candidates) else "nothing"
+        for p in problems:
+            log.warning("checkpoint %s rejected: %s: %s (%s); falling back to %s", path, p.file, p.reason, p.detail,
+                        fallback)
+    raise CheckpointCorruptError(
+        f"none of the {len(candidates)} checkpoint(s) under {root} verifies; refusing to start from scratch "
+        f"(move them away or resume from an explicit PATH)",
+        rejected,
+    )
+
+
+def resolve_resume(resume: str, root: str | os.PathLike[str]) -> LoadedCheckpoint | None:
+    """Apply the ``--resume`` option: ``latest`` | ``none`` | ``PATH``.
+
+    - ``latest``: :func:`load_latest` on ``root`` (``None`` if there is no checkpoint yet).
+    - ``none``: start fresh, ``None``. (The first save then moves higher-step checkpoints of the old run aside.)
+    - ``PATH``: a checkpoint directory (holds MANIFEST.json) loaded without fallback, or another checkpoint root
+      (holds ``step-*`` directories) whose newest verifying checkpoint is loaded.
+
+    Raises:
+        CheckpointError: ``PATH`` does not exist or holds no checkpoint; CheckpointCorruptError: it fails
+            verification.
+    """
+    if resume == "none":
+        return None
+    if resume == "latest":
+        return load_latest(root)
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"resume path {path} does not exist (expected 'latest', 'none' or a checkpoint path)")
+    if (path / MANIFEST).exists() or _step_of(path.name) is not None:
+        return load_checkpoint(path)
+    loaded = load_latest(path)
+    if loaded is None:
+        raise CheckpointError(f"resume path {path} holds no checkpoint (no step-NNNNNN directory)")
+    return loaded
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class CheckpointManager:
+    """Saves checkpoints under ``root`` with the crash-safe protocol in the module docstring and keeps the last
+    ``keep``.
+
+    Args:
+        root: checkpoint root directory (created on first save).
+        keep: how many checkpoints to keep, >= 1 (DESIGN spec ``checkpoint.keep``).
+        opener: see :data:`Opener`; tests only.
+
+    Raises:
+        ValueError: ``keep`` < 1.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], keep: int = 3, *, opener: Opener = open) -> None:
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+        self.root = Path(root).absolute()
+        self.keep = keep
+        self._open = opener
+
+    # Reading is the module functions; here for symmetry.
+    def load_latest(self) -> LoadedCheckpoint | None:
+        """:func:`load_latest` on this root."""
+        return load_latest(self.root)
+
+    def resume(self, resume: str) -> LoadedCheckpoint | None:
+        """:func:`resolve_resume` on this root."""
+        return resolve_resume(resume, self.root)
+
+    def save(
+        self,
+        step: int,
+        adapter: AdapterState | AdapterWriter,
+        optimizer_state: Mapping[str, Any],
+        trainer_state: TrainerState,
+    ) -> CheckpointInfo:
+        """Write checkpoint ``step-NNNNNN`` atomically, point ``latest`` at it, rotate old ones.
+
+        Args:
+            step: completed training steps, >= 0.
+            adapter: an :class:`AdapterState` (tensors + config) or an :data:`AdapterWriter` callable.
+            optimizer_state: ``optimizer.state_dict()`` (tensors, numbers, strings, containers only: it is read back
+                with ``weights_only=True``).
+            trainer_state: the JSON state (sampler, RNG, metric history, extra).
+
+        Returns:
+            :class:`CheckpointInfo` with the path, commit time, total bytes and save duration.
+
+        Raises:
+            ValueError / TypeError: bad arguments (nothing written).
+            CheckpointSaveError: an I/O error (``errno`` set, ``ENOSPC`` for a full disk) or an adapter writer that
+                failed or did not produce the PEFT files. Everything this call wrote is removed; earlier checkpoints
+                and ``latest`` are untouched.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        if not isinstance(trainer_state, TrainerState):
+            raise TypeError(f"trainer_state must be a TrainerState, got {type(trainer_state).__name__}")
+        if not isinstance(adapter, AdapterState) and not callable(adapter):
+            raise TypeError(f"adapter must be an AdapterState or a callable writer, got {type(adapter).__name__}")
+        if isinstance(adapter, AdapterState):
+            bad = [k for k, v in adapter.tensors.items() if not isinstance(v, torch.Tensor)]
+            if bad or not adapter.tensors:
+                raise ValueError(f"adapter tensors must be a non-empty mapping of torch.Tensor; bad keys: {bad[:5]}")
+        # Serialise the JSON parts first so that a non-serialisable value fails before anything touches the disk.
+        state_bytes = _dump_json(trainer_state.to_json_dict(step), compact=True)
+
+        started = time.monotonic()
+        name = checkpoint_dir_name(step)
+        final = self.root / name
+        tmp = self.root / f"{_TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        committed = False
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_temporaries()
+            tmp.mkdir()
+            adapter_dir = tmp / ADAPTER_DIR
+            adapter_dir.mkdir()
+            self._write_adapter(adapter, adapter_dir)
+            self._write_bytes(tmp / OPTIMIZER, _torch_save_bytes(optimizer_state))
+            self._write_bytes(tmp / TRAINER_STATE, state_bytes)
+
+            files = []
+            total = 0
+            for fpath in _files_under(tmp):
+                sha, size = _sha256_and_size(fpath, fsync=True)
+                files.append({"path": fpath.relative_to(tmp).as_posix(), "bytes": size, "sha256": sha})
+                total += size
+            manifest = {"format": FORMAT, "step": step, "time": time.time(), "created": _utc_now_iso(),
+                        "files": files}
+            manifest_bytes = _dump_json(manifest)
+            self._write_bytes(tmp / MANIFEST, manifest_bytes)
+            _fsync_path(tmp / MANIFEST)
+            total += len(manifest_bytes)
+            for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: len(p.parts), reverse=True):
+                _fsync_path(d, directory=True)
+
+            self._set_aside_same_or_newer(step)
+            os.rename(tmp, final)
+            committed = True
+            _fsync_path(self.root, directory=True)
+            self._write_pointer(name)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if committed:
+                # All or nothing: the pointer could not be replaced, so take the new directory back out.
+                shutil.rmtree(final, ignore_errors=True)
+                try:
+                    _fsync_path(self.root, directory=True)
+                except OSError:
+                    pass
+            if not isinstance(e, Exception):
+                raise  # KeyboardInterrupt / SystemExit: cleaned up, propagate unchanged
+            raise self._save_error(step, e) from e
+        commit_time = time.time()
+        self._rotate(keep_name=name)
+        info = CheckpointInfo(step=step, path=final, time=commit_time, bytes=total,
+                              seconds=time.monotonic() - started)
+        log.info("saved checkpoint %s (%d bytes in %.2f s)", final, info.bytes, info.seconds)
+        return info
+
+    # -- save helpers ------------------------------------------------------------------------------------------------
+
+    def _write_bytes(self, path: Path, data: bytes) -> None:
+        with self._open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+
+    def _write_adapter(self, adapter: AdapterState | AdapterWriter, adapter_dir: Path) -> None:
+        if isinstance(adapter, AdapterState):
+            tensors = {k: v.detach().cpu().contiguous() for k, v in adapter.tensors.items()}
+            self._write_bytes(adapter_dir / ADAPTER_WEIGHTS,
+                              safetensors.torch.save(tensors, metadata={"format": "pt"}))
+            self._write_bytes(adapter_dir / ADAPTER_CONFIG, _dump_json(dict(adapter.config)))
+        else:
+            adapter(adapter_dir)
+            missing = [n for n in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (adapter_dir / n).is_file()]
+            if missing:
+                raise CheckpointError(f"adapter writer did not write {', '.join(missing)} into {adapter_dir} "
+                                      f"(expected a PEFT adapter directory, e.g. PeftModel.save_pretrained)")
+
+    def _write_pointer(self, name: str) -> None:
+        tmp = self.root / f"{_TMP_PREFIX}{LATEST}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._write_bytes(tmp, (name + "\n").encode("ascii"))
+            _fsync_path(tmp)
+            os.replace(tmp, self.root / LATEST)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_path(self.root, directory=True)
+
+    def _remove_stale_temporaries(self) -> None:
+        """Remove what an interrupted save (``kill -9``) left behind. Single writer per root assumed."""
+        for entry in self.root.iterdir():
+            if entry.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
+                log.info("removing leftover %s from an interrupted save", entry)
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+    def _set_aside_same_or_newer(self, step: int) -> None:
+        """Checkpoints with a step >= ``step`` belong to another timeline (fresh start, explicit older resume, or a
+        corrupt one we fell back from): rename them, never delete them, so ``resume: latest`` follows this run."""
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        for other_step, path in list_checkpoints(self.root):
+            if other_step >= step:
+                aside = path.with_name(f"abandoned-{path.name}-{stamp}-{uuid.uuid4().hex[:4]}")
+                log.warning("checkpoint %s is at or after step %d of the current run; moving it aside to %s",
+                            path, step, aside.name)
+                os.rename(path, aside)
+
+    def _rotate(self, keep_name: str) -> None:
+        checkpoints = list_checkpoints(self.root)
+        pointer = read_latest_pointer(self.root) or keep_name
+        excess = len(checkpoints) - self.keep
+        for _, path in checkpoints:
+            if excess <= 0:
+                break
+            if path.name in (pointer, keep_name):
+                continue
+            try:
+                _remove_tree(path)
+                excess -= 1
+                log.info("removed old checkpoint %s (keep=%d)", path, self.keep)
+            except OSError as e:  # rotation failure must not fail a good save
+                log.warning("could not remove old checkpoint %s: %s", path, e)
+
+    def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
+        err = e.errno if isinstance(e, OSError) else None
+        where = f"checkpoint {checkpoint_dir_name(step)} under {self.root}"
+        if err == errno.ENOSPC:
+            try:
+                free = f"{shutil.disk_usage(self.root).free} bytes free"
+            except OSError:
+                free = "free space unknown"
+            msg = (f"saving {where} failed: no space left on device ({free}); the partial checkpoint was removed "
+                   f"and the previous checkpoint and '{LATEST}' pointer are unchanged")
+        else:
+            msg = (f"saving {where} failed: {type(e).__name__}: {e}; the partial checkpoint was removed and the "
+                   f"previous checkpoint and '{LATEST}' pointer are unchanged")
+        return CheckpointSaveError(msg, step=step, root=self.root, errno_=err)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------------------------------
+
+CheckpointRef = Union[str, os.PathLike, LoadedCheckpoint, CheckpointInfo]
+
+
+def export_adapter(ckpt: CheckpointRef, dest: str | os.PathLike[str]) -> Path:
+    """Copy a checkpoint's PEFT adapter to ``dest`` (conventionally ``<run>/exports/adapter``) atomically.
+
+    The adapter files are verified against the checkpoint's manifest, copied into a temporary sibling of ``dest``,
+    fsynced, verified again, and renamed into place; an existing ``dest`` is replaced (moved aside first, then
+    deleted), so a reader sees either the old adapter or the new one, never a mix.
+
+    Returns:
+        ``dest`` as an absolute path.
+
+    Raises:
+        CheckpointCorruptError: the checkpoint's adapter files do not match its manifest.
+        CheckpointError: the copy did not match (an I/O fault), or ``ckpt`` is not a checkpoint.
+        OSError: writing ``dest`` failed (the previous ``dest`` is left in place).
+    """
+    src = Path(ckpt.path if isinstance(ckpt, (LoadedCheckpoint, CheckpointInfo)) else ckpt).absolute()
+    dest = Path(dest).absolute()
+    doc, problems = _read_manifest(src)
+    if doc is None:
+        raise CheckpointCorruptError(f"cannot export from {src}: " + "; ".join(map(str, problems)), {src: problems})
+    entries = {e["path"]: e for e in doc["files"] if str(e.get("path", "")).startswith(ADAPTER_DIR + "/")}
+    all_problems = [p for p in verify_checkpoint(src) if p.file.startswith(ADAPTER_DIR + "/")]
+    if all_problems:
+        raise CheckpointCorruptError(f"cannot export from {src}: " + "; ".join(map(str, all_problems)),
+                                     {src: all_problems})
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{_TMP_PREFIX}{dest.name}-{uuid.uuid4().hex[:8]}")
+    old = dest.with_name(f"{_TRASH_PREFIX}{dest.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.mkdir()
+        for rel, entry in sorted(entries.items()):
+            target = tmp / Path(rel).relative_to(ADAPTER_DIR)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / rel, target)
+            sha, size = _sha256_and_size(target, fsync=True)
+            if sha != entry["sha256"] or size != int(entry["bytes"]):
+                raise CheckpointError(f"copy of {src / rel} to {target} does not match the manifest")
+        for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: len(p.parts), reverse=True):
+            _fsync_path(d, directory=True)
+        if dest.exists():
+            os.rename(dest, old)
+        os.rename(tmp, dest)
+        _fsync_path(dest.parent, directory=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not dest.exists():
+            os.rename(old, dest)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    log.info("exported adapter of %s to %s", src, dest)
+    return dest
+
