@@ -84,11 +84,6 @@ _HINTS: dict[str, str] = {
     "tuple": "('move', N) with N 0=right 1=up 2=left 3=down, or ('stop', 'stop')",
     "tag": "<action>up</action> (or down, left, right, stop)",
 }
-_MISSING: dict[str, str] = {
-    "function": 'no move("<direction>") or stop() found',
-    "tuple": "no ('move', <0-3>) or ('stop', 'stop') found",
-    "tag": "no <action>...</action> found",
-}
 
 
 @dataclass(frozen=True)
@@ -170,7 +165,7 @@ def parse_action(text: object, action_format: str) -> ParsedAction:
         return ParsedAction(None, "empty reply")
     if _PATTERNS_ANY_CASE[action_format].search(text) is not None:
         return ParsedAction(None, "wrong letter case; actions are lowercase")
-    return ParsedAction(None, _MISSING[action_format])
+    return ParsedAction(None, "no action found")
 
 
 def format_action(action: str, action_format: str) -> str:

@@ -480,8 +480,8 @@ def instructions(
     else:
         moves = ", ".join(format_action(d, action_format) for d in ("up", "down", "left", "right"))
     stop = format_action(STOP, action_format)
-    parts.append(f"Each turn reply with one action: {moves}, or {stop}. A move goes one cell; "
-                 "moving into a wall does nothing.")
+    parts.append(f"Each turn reply with one action: {moves}, or {stop}. A move goes one cell (up is toward the "
+                 "top); moving into a wall does nothing.")
     if success_on == "stop-on-goal":
         parts.append(f"When you are on the goal, reply {stop}. You succeed only if you stop on the goal; "
                      "stopping anywhere else ends the episode as a failure.")
