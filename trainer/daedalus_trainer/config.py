@@ -401,6 +401,53 @@ class JobMetrics(_Model):
     """Held-out greedy success ratio of the latest evaluation (0-1)."""
 
 
+class RecoveryInfo(_Model):
+    """A recovery in progress, written by the operator; cleared once the resubmitted attempt completes a step beyond
+    the step it resumed from (then summarised in `lastRecovery`)."""
+
+    reason: str = ""
+    """CamelCase reason (NodeReplacement, NodeReboot, WorkerLost, HeadLost, JobFailed, Hung, Suspend, ...)."""
+    node: str | None = None
+    """Node that triggered it, if any."""
+    message: str = ""
+    """Detail."""
+    detected_at: str | None = None
+    """RFC 3339 time the operator detected the cause."""
+    step_at_detection: int = 0
+    """Latest completed step the trainer had reported at detection."""
+    checkpoint_requested_at: str | None = None
+    """RFC 3339 time a checkpoint was requested from the trainer (announced failures, hangs, suspend)."""
+    checkpoint_target_step: int | None = None
+    """The requested checkpoint is done once the latest checkpoint holds at least this step."""
+    stop_requested_at: str | None = None
+    """RFC 3339 time the Ray job was asked to stop."""
+    not_before: str | None = None
+    """Restart backoff: no resubmission before this RFC 3339 time."""
+    resubmitted_at: str | None = None
+    """RFC 3339 time the next attempt was submitted."""
+    resume_step: int | None = None
+    """Step of the latest checkpoint when the next attempt was submitted (where it resumes)."""
+
+
+class RecoveryRecord(_Model):
+    """Summary of the last completed recovery."""
+
+    reason: str = ""
+    """CamelCase reason of the recovery."""
+    detected_at: str | None = None
+    """RFC 3339 time the cause was detected."""
+    recovered_at: str | None = None
+    """RFC 3339 time the resumed attempt first reported a step beyond its resume step."""
+    seconds: float = 0.0
+    """recoveredAt - detectedAt, in seconds."""
+    step_at_detection: int = 0
+    """Latest completed step at detection."""
+    resumed_from_step: int = 0
+    """Checkpoint step the new attempt resumed from."""
+    lost_steps: int = 0
+    """stepAtDetection - resumedFromStep (0 when a checkpoint was taken before stopping)."""
+
+
 class RLTrainingJobStatus(_Model):
     """Observed state of an RLTrainingJob, written by the operator."""
 
@@ -438,6 +485,22 @@ class RLTrainingJobStatus(_Model):
     """Ray dashboard URL of the RayCluster."""
     adapter_path: str | None = None
     """Exported PEFT LoRA adapter (servable by vLLM)."""
+    submission_confirmed: bool = False
+    """True once the Ray job `submissionId` was seen on the head (a missing job is then lost, not unsubmitted)."""
+    attempt_start_time: str | None = None
+    """RFC 3339 time the current attempt was submitted (pods created later replaced a lost one)."""
+    last_progress_time: str | None = None
+    """RFC 3339 time the reported step last advanced (progressDeadlineSeconds is measured from here)."""
+    consecutive_failures: int = 0
+    """Unplanned failures since the last attempt that made progress (restart backoff exponent)."""
+    unreachable_since: str | None = None
+    """RFC 3339 time the Ray dashboard first failed to answer during the current attempt."""
+    recovery: RecoveryInfo | None = None
+    """The recovery in progress, if any."""
+    last_recovery: RecoveryRecord | None = None
+    """The last completed recovery."""
+    serving_name: str | None = None
+    """Name of the RayService serving the adapter (spec.serving.enabled)."""
 
 
 class ObjectMeta(_Model):
