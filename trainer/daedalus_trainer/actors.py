@@ -1,0 +1,233 @@
+"""The two roles of a GRPO step, as plain classes that Ray turns into actors.
+
+- :class:`RolloutWorker` owns a rollout engine and environments and returns plain trajectory records
+  (:class:`~daedalus_trainer.rollout.episode.Trajectory`); it holds no learning logic.
+- :class:`Learner` owns the trainable policy (LoRA on the frozen base) and the AdamW optimizer; it turns trajectories
+  into one optimizer step with :func:`~daedalus_trainer.grpo.group_advantages` and
+  :func:`~daedalus_trainer.grpo.grpo_loss`.
+
+After each step only the LoRA adapter (megabytes, never the base weights) travels from the learner to the engines,
+through Ray's object store, tagged with a version (the step count) so an engine never samples with stale weights
+unknowingly. Both classes also work without Ray (tests construct them directly).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from daedalus_trainer.config import RLTrainingJob
+
+
+def _job(job: RLTrainingJob | dict) -> RLTrainingJob:
+    return job if isinstance(job, RLTrainingJob) else RLTrainingJob.model_validate(job)
+
+
+def _start_model_spec(job: RLTrainingJob, start_dir: str | None):
+    """The model spec with the SFT starting point resolved (a full model dir or a PEFT adapter dir)."""
+    spec = job.spec.model
+    if start_dir:
+        spec = spec.model_copy(update={"sft_adapter": str(start_dir)})
+    return spec
+
+
+def load_training_policy(job: RLTrainingJob, start_dir: str | None, work_dir: str | Path, seed: int):
+    """The policy GRPO trains: the starting point plus a LoRA adapter (a fresh one, initialised from ``seed``, unless
+    the starting point is itself an adapter, which is then trained further).
+
+    Raises:
+        FileNotFoundError / ValueError: from :func:`daedalus_trainer.policy.load_policy`.
+    """
+    from daedalus_trainer.policy import load_policy
+
+    torch.manual_seed(seed)
+    return load_policy(_start_model_spec(job, start_dir), job.spec.lora, work_dir=work_dir, device=None)
+
+
+class RolloutWorker:
+    """Plays episodes with the latest adapter.
+
+    Args:
+        job: the RLTrainingJob (model or dict).
+        start_dir: SFT starting point (full model or PEFT adapter directory), or None for the base model.
+        work_dir: where the tiny base model lives / is built.
+        max_batch: conversations per generate call.
+    """
+
+    def __init__(self, job: RLTrainingJob | dict, start_dir: str | None, work_dir: str, max_batch: int = 64):
+        from daedalus_trainer.rollout.engine import TransformersEngine
+
+        torch.set_num_threads(1)
+        self.job = _job(job)
+        policy = load_training_policy(self.job, start_dir, work_dir, seed=self.job.spec.algorithm.seed)
+        self.engine = TransformersEngine(policy, max_batch=max_batch)
+        self.loaded_version = -1
+
+    def rollout(self, mazes: Sequence[Any], seed: int, adapter: dict[str, torch.Tensor], version: int) -> list[Any]:
+        """One episode per maze with adapter ``version`` (loaded first if new), sampling seeded by ``seed``.
+
+        Returns:
+            list of :class:`~daedalus_trainer.rollout.episode.Trajectory`, in the order of ``mazes``.
+        """
+        from daedalus_trainer.rollout.engine import SamplingParams
+        from daedalus_trainer.rollout.episode import run_episodes
+
+        if version != self.loaded_version:
+            self.engine.load_adapter(adapter, version)
+            self.loaded_version = version
+        algo = self.job.spec.algorithm
+        sampling = SamplingParams(algo.temperature, algo.top_p, algo.max_tokens_per_turn)
+        with torch.no_grad():
+            return run_episodes(self.engine, list(mazes), self.job.spec.environment, sampling, seed=seed)
+
+
+@dataclass
+class UpdateStats:
+    """What one learner update reports (floats; ``None`` when the update was skipped)."""
+
+    loss: float | None
+    kl: float | None
+    grad_norm: float | None
+    clip_fraction: float | None
+    tokens: int
+    sequences: int
+    zero_variance_groups: int
+    skipped: bool
+    seconds: float
+
+
+class Learner:
+    """Trains the LoRA adapter with GRPO.
+
+    Args:
+        job: the RLTrainingJob (model or dict).
+        start_dir / work_dir: as :class:`RolloutWorker`.
+        micro_batch: turn sequences per forward/backward (gradients are accumulated; the result does not depend on
+            it up to float rounding).
+    """
+
+    def __init__(self, job: RLTrainingJob | dict, start_dir: str | None, work_dir: str, micro_batch: int = 32):
+        torch.set_num_threads(1)
+        self.job = _job(job)
+        algo = self.job.spec.algorithm
+        self.policy = load_training_policy(self.job, start_dir, work_dir, seed=algo.seed)
+        self.params = self.policy.trainable_parameters()
+        self.optimizer = torch.optim.AdamW(self.params, lr=algo.learning_rate, weight_decay=algo.weight_decay)
+        self.micro_batch = micro_batch
+
+    # -- adapter and checkpoint state ------------------------------------------------------------------------------
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """LoRA weights (CPU tensors, PEFT key names): what the engines load."""
+        return self.policy.adapter_state()
+
+    def adapter_config(self) -> dict[str, Any]:
+        """The PEFT ``adapter_config.json`` content of the adapter."""
+        cfg = self.policy.model.peft_config["default"].to_dict()
+        return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+        """``(adapter tensors, adapter config, optimizer state_dict)`` for :class:`~daedalus_trainer.checkpoint.
+        CheckpointManager`."""
+        return self.adapter_state(), self.adapter_config(), self.optimizer.state_dict()
+
+    def restore(self, adapter: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+        """Load adapter weights and optimizer state from a checkpoint.
+
+        Raises:
+            ValueError: the adapter does not match the attached one (different rank or targets).
+        """
+        self.policy.load_adapter(adapter)
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def save_adapter(self, out_dir: str) -> str:
+        """Write the adapter in PEFT format to ``out_dir``."""
+        return str(self.policy.save_adapter(out_dir))
+
+    # -- the GRPO update -------------------------------------------------------------------------------------------
+    def update(self, trajectories: Sequence[Any], group_size: int) -> UpdateStats:
+        """One optimizer step on ``M * G`` episodes laid out group by group (episode ``e`` is in group ``e // G``).
+
+        Rewards -> group-relative advantages -> clipped policy loss on the assistant tokens of every turn (the
+        episode's advantage broadcast to all of them) -> gradient clipping -> AdamW. Groups whose rewards are all equal
+        carry no signal and are skipped (unless a KL term is on); if every group is like that the step is skipped.
+
+        Raises:
+            ValueError: ``len(trajectories)`` is not a multiple of ``group_size``.
+        """
+        from daedalus_trainer.grpo import group_advantages, grpo_loss
+
+        started = time.perf_counter()
+        algo = self.job.spec.algorithm
+        n = len(trajectories)
+        if group_size < 1 or n % group_size:
+            raise ValueError(f"{n} trajectories do not form groups of {group_size}")
+        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32).view(-1, group_size)
+        adv, zero_var = group_advantages(rewards, algo.advantage_norm)
+        adv = adv.flatten()
+        use_kl = algo.kl_coef > 0
+        episodes = [e for e in range(n) if use_kl or not bool(zero_var[e // group_size])]
+        n_zero = int(zero_var.sum())
+        if not episodes:
+            return UpdateStats(None, None, None, None, 0, 0, n_zero, True, time.perf_counter() - started)
+
+        # Micro-batches of whole episodes (an episode's turns stay together, which the per-episode aggregations need).
+        chunks: list[list[int]] = [[]]
+        rows_in_chunk = 0
+        for e in episodes:
+            rows = len(trajectories[e].turns)
+            if chunks[-1] and rows_in_chunk + rows > self.micro_batch:
+                chunks.append([])
+                rows_in_chunk = 0
+            chunks[-1].append(e)
+            rows_in_chunk += rows
+        total_tokens = sum(len(turn.completion_ids) for e in episodes for turn in trajectories[e].turns)
+
+        self.policy.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        kl_sum = clip_sum = loss_sum = 0.0
+        sequences = 0
+        for chunk in chunks:
+            seqs, old_rows, row_adv, row_ep = [], [], [], []
+            for e in chunk:
+                for turn in trajectories[e].turns:
+                    seqs.append(turn.sequence())
+                    old_rows.append(turn.logprobs)
+                    row_adv.append(float(adv[e]))
+                    row_ep.append(e)
+            batch = self.policy.collate(seqs)
+            logprobs = self.policy.response_logprobs(batch, algo.temperature)  # [B, T]
+            old = torch.zeros_like(logprobs)
+            for i, s in enumerate(seqs):
+                start = len(s.prompt_ids)
+                old[i, start : start + len(s.completion_ids)] = torch.tensor(old_rows[i], dtype=old.dtype)
+            ref = self.policy.reference_logprobs(batch, algo.temperature) if use_kl else None
+            chunk_tokens = int(batch.assistant_mask.sum())
+            loss, st = grpo_loss(
+                logprobs, old, torch.tensor(row_adv), batch.assistant_mask,
+                torch.tensor(row_ep, dtype=torch.long, device=logprobs.device),
+                clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
+                ref_logprobs=ref, kl_coef=algo.kl_coef, aggregation=algo.loss_aggregation.value, num_episodes=n,
+            )
+            if algo.loss_aggregation.value == "token-mean":
+                loss = loss * (chunk_tokens / max(total_tokens, 1))  # the mean over all tokens, accumulated
+            loss.backward()
+            loss_sum += float(loss.detach())
+            kl_sum += st.kl * chunk_tokens
+            clip_sum += st.clip_fraction * chunk_tokens
+            sequences += len(seqs)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, algo.max_grad_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.policy.model.eval()
+        return UpdateStats(
+            loss=loss_sum, kl=kl_sum / max(total_tokens, 1), grad_norm=grad_norm,
+            clip_fraction=clip_sum / max(total_tokens, 1), tokens=total_tokens, sequences=sequences,
+            zero_variance_groups=n_zero, skipped=not math.isfinite(grad_norm), seconds=time.perf_counter() - started,
+        )

@@ -1,0 +1,225 @@
+"""`daedalus run JOB.yaml`: the embedded default. The YAML a user would `kubectl apply`, run on this machine.
+
+Stages, each resumable (run the command again after an interrupt and it continues where it stopped):
+
+1. SFT starting point: `model.sftAdapter` if set, else (tiny model) supervised fine-tuning on solver demonstrations
+   into ``runs/<name>/sft/``.
+2. Evaluation of the starting point on the held-out mazes (greedy and sampled), cached in ``eval-before.json``.
+3. GRPO with a LoRA adapter on a local Ray (`spec.cluster` is ignored), checkpoints in ``runs/<name>/checkpoints/``,
+   metrics and control on http://127.0.0.1:<port>/metrics.
+4. Evaluation of the trained adapter, then a before/after table, ``report.json`` and ``curves.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("daedalus.local")
+
+
+def _free_port(preferred: int) -> int:
+    """``preferred`` if it can be bound on 127.0.0.1, else a free port (0 asks for a free one)."""
+    if preferred:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", preferred))
+                return preferred
+            except OSError:
+                log.warning("port %d is taken; serving metrics on a free port instead", preferred)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _eval_summary(report) -> dict[str, Any]:
+    return json.loads(report.to_json())
+
+
+def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", port: int = 9400) -> int:
+    """Run SFT (if needed) -> eval -> GRPO -> eval for the job in ``job_path`` and print the report.
+
+    Returns the process exit code (0 on success).
+
+    Raises:
+        daedalus_trainer.config.SpecError: the YAML is invalid (every error with its field path).
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from daedalus_trainer.config import load_job
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    console = Console()
+    started = time.perf_counter()
+    job = load_job(job_path)
+    run_dir = Path(runs_dir) / job.metadata.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]daedalus run[/bold] {job_path}: job [cyan]{job.metadata.name}[/cyan] -> {run_dir}/ "
+                  "(local mode: spec.cluster is ignored)")
+
+    import torch
+
+    torch.set_num_threads(1)
+    from daedalus_trainer import evaluation
+    from daedalus_trainer.grpo import Trainer, init_ray
+    from daedalus_trainer.server import TrainerServer
+
+    # 1. the starting point
+    start_dir = job.spec.model.sft_adapter
+    if not start_dir:
+        if not job.spec.model.tiny:
+            console.print("[red]model.sftAdapter is required for a non-tiny model[/red]")
+            return 2
+        from daedalus_trainer import sft
+
+        console.rule("SFT on solver demonstrations")
+        start_dir = str(sft.run_sft(job, run_dir / "sft", resume=resume != "none"))
+    work_dir = run_dir
+
+    # 2. before
+    before_file = run_dir / "eval-before.json"
+    if before_file.is_file():
+        before = json.loads(before_file.read_text())
+    else:
+        console.rule("Evaluation of the starting point (held-out layouts)")
+        before = _eval_summary(evaluation.run_eval(job, start_dir, adapter_path=None, greedy=True, sampled=True))
+        before_file.write_text(json.dumps(before, indent=2))
+
+    # 3. GRPO
+    console.rule("GRPO (LoRA) on a local Ray")
+    init_ray(local=True)
+    port = _free_port(port)
+    progress = _Progress(console, job.spec.algorithm.steps)
+    trainer = Trainer(job, run_dir, start_dir=start_dir, work_dir=work_dir, on_step=progress.update)
+    with TrainerServer(trainer.metrics, trainer.control, host="127.0.0.1", port=port) as server:
+        console.print(f"metrics and status: {server.url}/metrics  {server.url}/status")
+        with progress:
+            result = trainer.train(resume=resume)
+    import ray
+
+    ray.shutdown()
+    if result.resumed_from:
+        console.print(f"resumed from the checkpoint at step {result.resumed_from}")
+    if result.adapter_dir is None:
+        console.print("[yellow]training stopped before the end; run the command again to resume[/yellow]")
+        return 0
+
+    # 4. after
+    console.rule("Evaluation after GRPO (held-out layouts)")
+    after = _eval_summary(evaluation.run_eval(job, start_dir, adapter_path=str(result.adapter_dir), greedy=True,
+                                              sampled=True))
+    (run_dir / "eval-after.json").write_text(json.dumps(after, indent=2))
+
+    report = _report(job, before, after, result, time.perf_counter() - started)
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2))
+    curves = _plot_curves(result.history, run_dir / "curves.png", before, after)
+
+    table = Table(title=f"{job.metadata.name}: held-out success ({report['eval_mazes']} mazes, size "
+                        f"{job.spec.environment.size}, layouts unseen in training)")
+    table.add_column("policy")
+    table.add_column("greedy success", justify="right")
+    table.add_column("95% CI", justify="right")
+    table.add_column("sampled success", justify="right")
+    table.add_column("mean turns", justify="right")
+    for name, ev in (("SFT start", before), ("after GRPO", after)):
+        g = _greedy(ev)
+        s = _sampled(ev)
+        table.add_row(name, f"{g['success']:.1%}", f"[{g['ci95'][0]:.1%}, {g['ci95'][1]:.1%}]",
+                      f"{s['success']:.1%}" if s else "-", f"{g.get('mean_turns', float('nan')):.1f}")
+    console.print(table)
+    console.print(f"GRPO steps: {report['steps']}  wall time: {report['wall_seconds']:.0f} s  "
+                  f"adapter: {result.adapter_dir}  curves: {curves}  report: {run_dir / 'report.json'}")
+    return 0
+
+
+def _greedy(ev: dict) -> dict:
+    return ev["greedy"]
+
+
+def _sampled(ev: dict) -> dict | None:
+    return ev.get("sampled")
+
+
+def _report(job, before: dict, after: dict, result, wall: float) -> dict[str, Any]:
+    """The figures of ``report.json`` (keys fixed by the GRPO issue's acceptance)."""
+    return {
+        "job": job.metadata.name,
+        "success_before": _greedy(before)["success"],
+        "success_after": _greedy(after)["success"],
+        "ci95_before": list(_greedy(before)["ci95"]),
+        "ci95_after": list(_greedy(after)["ci95"]),
+        "sampled_success_before": (_sampled(before) or {}).get("success"),
+        "sampled_success_after": (_sampled(after) or {}).get("success"),
+        "eval_mazes": _greedy(after).get("episodes", job.spec.environment.eval_mazes),
+        "steps": result.steps_done,
+        "wall_seconds": wall,
+        "grpo_wall_seconds": result.wall_seconds,
+        "adapter": str(result.adapter_dir),
+        "before": before,
+        "after": after,
+    }
+
+
+def _plot_curves(history: list[dict], out: Path, before: dict, after: dict) -> Path:
+    """PNG of training reward/success, update loss and held-out success before/after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [h["success_ratio"] for h in history], label="rollout success")
+    axes[0].plot(steps, [h["reward_mean"] for h in history], "--", label="reward mean")
+    axes[0].axhline(_greedy(before)["success"], color="gray", lw=0.8, ls=":", label="held-out greedy, SFT")
+    axes[0].axhline(_greedy(after)["success"], color="green", lw=0.8, ls=":", label="held-out greedy, after")
+    axes[0].set_ylim(-0.02, 1.02)
+    axes[0].set_xlabel("GRPO step")
+    axes[0].legend(fontsize=7)
+    axes[0].set_title("success")
+    axes[1].plot(steps, [h["episode_turns"] for h in history])
+    axes[1].set_xlabel("GRPO step")
+    axes[1].set_title("turns per episode")
+    losses = [(h["step"], h["loss"]) for h in history if h.get("loss") is not None and math.isfinite(h["loss"])]
+    if losses:
+        axes[2].plot(*zip(*losses))
+    axes[2].set_xlabel("GRPO step")
+    axes[2].set_title("policy loss")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+class _Progress:
+    """A rich progress bar fed by the trainer's per-step records."""
+
+    def __init__(self, console, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]GRPO[/bold]"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"), console=console, transient=False,
+        )
+        self.task = self.progress.add_task("grpo", total=total, info="")
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    def update(self, rec: dict) -> None:
+        secs = rec["rollout_seconds"] + rec["learner_seconds"]
+        info = (f"reward {rec['reward_mean']:.2f}  success {rec['success_ratio']:.0%}  "
+                f"turns {rec['episode_turns']:.1f}  {rec['rollout_tokens'] / max(secs, 1e-9):.0f} tok/s")
+        self.progress.update(self.task, completed=rec["step"], info=info)
