@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 import warnings
 from collections import Counter, deque
+from copy import deepcopy
 
 import gymnasium
 import numpy as np
@@ -213,6 +215,8 @@ def test_maze_from_ascii_round_trip_and_hash() -> None:
     assert len(maze.layout_hash()) == 16 and int(maze.layout_hash(), 16) >= 0
     with pytest.raises(ValueError, match="read-only"):
         maze.walls[1, 1] = True
+    for copy in (pickle.loads(pickle.dumps(maze)), deepcopy(maze)):  # Ray ships mazes between actors
+        assert copy == maze and copy.layout_hash() == maze.layout_hash() and not copy.walls.flags.writeable
 
 
 @pytest.mark.parametrize(
