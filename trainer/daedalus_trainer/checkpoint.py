@@ -26,8 +26,8 @@ A failure at any point (a full disk, ``ENOSPC``, included) removes what this sav
 checkpoint and the ``latest`` pointer as they were, and raises :class:`CheckpointSaveError`.
 
 Reading: :func:`load_latest` verifies candidates newest first against their manifest and falls back to older ones,
-logging (``logging.warning``) which file was bad and why. Checkpoints of a higher step than the one being saved
-belong to an abandoned timeline (``resume: none`` or an explicit older ``PATH``); :meth:`CheckpointManager.save`
+logging (``logging.warning``) which file was bad and why. Checkpoints of the same or a higher step than the one
+being saved belong to an abandoned timeline (``resume: none`` or an explicit older ``PATH``); :meth:`CheckpointManager.save`
 renames them to ``abandoned-step-NNNNNN-<utc>`` (never deletes them) so that ``resume: latest`` continues the run
 that is actually going on.
 
@@ -838,13 +838,14 @@ class CheckpointManager:
                 os.rename(path, aside)
 
     def _rotate(self, keep_name: str) -> None:
+        """Delete all but the newest ``keep`` checkpoints. ``keep_name`` (just saved, named by ``latest``) is the
+        highest step, as :meth:`_set_aside_same_or_newer` moved anything newer away, so it is always kept."""
         checkpoints = list_checkpoints(self.root)
-        pointer = read_latest_pointer(self.root) or keep_name
         excess = len(checkpoints) - self.keep
         for _, path in checkpoints:
             if excess <= 0:
                 break
-            if path.name in (pointer, keep_name):
+            if path.name == keep_name:  # cannot happen (see above); never delete what `latest` names
                 continue
             try:
                 _remove_tree(path)

@@ -1,0 +1,473 @@
+"""The trainer's HTTP endpoint (default port 9400): metrics, health, status and the operator's control calls.
+
+Routes:
+
+- ``GET /metrics``: Prometheus exposition of :class:`~daedalus_trainer.metrics.TrainerMetrics` (text 0.0.4, or
+  OpenMetrics when the scraper asks for it in ``Accept``).
+- ``GET /healthz``: ``200 ok`` while the server thread runs.
+- ``GET /status``: JSON ``{step, totalSteps, phase, latestCheckpoint {step, path, time}, successRatio, rewardMean,
+  adapterPath, attempt, checkpointRequested, stopRequested}`` (``time`` is RFC 3339 UTC, as in the CR status).
+- ``POST /checkpoint[?timeout=SECONDS]``: ask for a checkpoint at the next step boundary and wait (default 300 s)
+  until it is written: ``200 {step, path, time}``. ``timeout=0`` returns ``202`` at once.
+- ``POST /stop[?timeout=SECONDS]``: ask the loop to checkpoint and exit cleanly; waits like ``/checkpoint`` and
+  returns ``200 {step, path, time, stopping: true}`` once the final checkpoint is written. The operator calls it
+  before stopping the Ray job (DESIGN §3, HyperPod node replacement).
+
+``POST`` routes require ``Authorization: Bearer <token>``; the token comes from ``DAEDALUS_CONTROL_TOKEN`` or the
+file named by ``DAEDALUS_CONTROL_TOKEN_FILE`` (the operator's Secret), is compared in constant time
+(:func:`hmac.compare_digest`), and is read per request so a rotated Secret file takes effect. Responses: 401 without
+or with a wrong token (with ``WWW-Authenticate: Bearer``), 503 when no token is configured, 504 when the wait times
+out (the request stays pending and is still honoured), 409 when the trainer has already finished or failed, 500 when
+the save failed.
+
+Why the standard library's :class:`http.server.ThreadingHTTPServer` rather than aiohttp: the training loop is
+synchronous torch code with no event loop to share, a blocking ``POST /checkpoint`` maps directly onto a thread
+waiting on a :class:`threading.Condition`, the request rate is a scrape every few seconds plus rare control calls, and
+it adds no dependency to the trainer image (prometheus-client's own ``start_http_server`` uses the same server).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hmac
+import http.server
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client.exposition import choose_encoder
+
+from .metrics import TrainerMetrics
+
+__all__ = [
+    "DEFAULT_PORT",
+    "DEFAULT_WAIT_SECONDS",
+    "MAX_WAIT_SECONDS",
+    "TOKEN_ENV",
+    "TOKEN_FILE_ENV",
+    "CheckpointResult",
+    "ControlState",
+    "Phase",
+    "TrainerServer",
+    "load_control_token",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 9400
+TOKEN_ENV = "DAEDALUS_CONTROL_TOKEN"
+TOKEN_FILE_ENV = "DAEDALUS_CONTROL_TOKEN_FILE"
+DEFAULT_WAIT_SECONDS = 300.0
+MAX_WAIT_SECONDS = 3600.0
+
+Phase = Literal["starting", "sft", "training", "evaluating", "checkpointing", "finished", "failed"]
+PHASES: tuple[str, ...] = get_args(Phase)
+_TERMINAL = ("finished", "failed")
+
+
+def load_control_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """The control token: ``$DAEDALUS_CONTROL_TOKEN`` if set and non-empty, else the stripped content of the file
+    named by ``$DAEDALUS_CONTROL_TOKEN_FILE``; ``None`` when neither gives a non-empty token.
+
+    An unreadable token file is logged and treated as "not configured" (the control routes then answer 503).
+    """
+    env = os.environ if environ is None else environ
+    token = env.get(TOKEN_ENV, "").strip()
+    if token:
+        return token
+    path = env.get(TOKEN_FILE_ENV, "").strip()
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        log.warning("control token file %s (from %s) is unreadable: %s", path, TOKEN_FILE_ENV, e)
+        return None
+    return token or None
+
+
+def _rfc3339(unix_seconds: float) -> str:
+    return _dt.datetime.fromtimestamp(unix_seconds, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointResult:
+    """Outcome of a requested checkpoint handed to waiting HTTP callers: ``step``/``path``/``time`` (Unix seconds)
+    on success, or ``error`` (a message) when the save failed (``ended`` False, HTTP 500) or the trainer finished or
+    failed first (``ended`` True, HTTP 409)."""
+
+    step: int | None = None
+    path: str | None = None
+    time: float | None = None
+    error: str | None = None
+    ended: bool = False
+
+
+class ControlState:
+    """Thread-safe state shared by the training loop and the HTTP server.
+
+    The loop, at every step boundary::
+
+        if control.stop_requested() or control.checkpoint_requested() or step % interval == 0:
+            control.set_status(phase="checkpointing")
+            try:
+                info = manager.save(...)
+            except CheckpointSaveError as e:
+                control.checkpoint_failed(str(e)); raise
+            control.checkpoint_done(info)
+            if control.stop_requested():
+                control.set_status(phase="finished"); break
+            control.set_status(phase="training")
+
+    ``checkpoint_done`` answers every caller that asked before it (several concurrent requests coalesce into one
+    checkpoint). Entering a terminal phase (``finished``/``failed``) answers pending callers with an error.
+    """
+
+    def __init__(self, *, total_steps: int = 0, attempt: int = 0) -> None:
+        self._cond = threading.Condition()
+        self._checkpoint_requested = False
+        self._stop_requested = False
+        self._request_seq = 0  # number of requests so far
+        self._answered_seq = 0  # requests up to this number have a result
+        self._results: dict[int, CheckpointResult] = {}  # answered_seq at answer time -> result
+        self._status: dict[str, Any] = {
+            "step": 0,
+            "totalSteps": total_steps,
+            "phase": "starting",
+            "latestCheckpoint": None,
+            "successRatio": None,
+            "rewardMean": None,
+            "adapterPath": None,
+            "attempt": attempt,
+        }
+
+    # -- for the training loop ---------------------------------------------------------------------------------------
+
+    def checkpoint_requested(self) -> bool:
+        """True while a checkpoint was requested over HTTP (or a stop, which implies one) and not yet written."""
+        with self._cond:
+            return self._checkpoint_requested or self._stop_requested
+
+    def stop_requested(self) -> bool:
+        """True once ``POST /stop`` was received: checkpoint, then leave the loop."""
+        with self._cond:
+            return self._stop_requested
+
+    def checkpoint_done(self, info: Any) -> None:
+        """Report a written checkpoint (any object with ``step``, ``path``, ``time`` in Unix seconds, e.g.
+        ``CheckpointInfo``): updates ``latestCheckpoint``, clears the request flag, answers waiting callers."""
+        result = CheckpointResult(step=int(info.step), path=str(info.path), time=float(info.time))
+        with self._cond:
+            self._status["latestCheckpoint"] = {"step": result.step, "path": result.path,
+                                                "time": _rfc3339(result.time)}
+            self._checkpoint_requested = False
+            self._answer_locked(result)
+
+    def checkpoint_failed(self, message: str) -> None:
+        """Report that a requested save failed: waiting callers get HTTP 500 with ``message``. The request flag is
+        cleared (a caller may ask again)."""
+        with self._cond:
+            self._checkpoint_requested = False
+            self._answer_locked(CheckpointResult(error=message))
+
+    def set_status(
+        self,
+        *,
+        step: int | None = None,
+        total_steps: int | None = None,
+        phase: Phase | None = None,
+        success_ratio: float | None = None,
+        reward_mean: float | None = None,
+        adapter_path: str | os.PathLike[str] | None = None,
+        attempt: int | None = None,
+        latest_checkpoint: Any | None = None,
+    ) -> None:
+        """Update the fields given (others keep their value). ``latest_checkpoint`` (an object with ``step``,
+        ``path``, ``time``) sets ``latestCheckpoint`` without answering waiters (e.g. the checkpoint a run resumed
+        from). Entering ``finished`` or ``failed`` answers pending checkpoint callers with an error.
+
+        Raises:
+            ValueError: unknown ``phase`` or a ratio outside [0, 1].
+        """
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        if success_ratio is not None and not 0.0 <= success_ratio <= 1.0:
+            raise ValueError(f"success_ratio must be in [0, 1], got {success_ratio}")
+        with self._cond:
+            for key, value in (("step", step), ("totalSteps", total_steps), ("phase", phase),
+                               ("successRatio", success_ratio), ("rewardMean", reward_mean), ("attempt", attempt)):
+                if value is not None:
+                    self._status[key] = value
+            if adapter_path is not None:
+                self._status["adapterPath"] = str(adapter_path)
+            if latest_checkpoint is not None:
+                self._status["latestCheckpoint"] = {"step": int(latest_checkpoint.step),
+                                                    "path": str(latest_checkpoint.path),
+                                                    "time": _rfc3339(float(latest_checkpoint.time))}
+            if phase in _TERMINAL and self._answered_seq < self._request_seq:
+                self._answer_locked(CheckpointResult(error=f"trainer {phase} before the checkpoint was written",
+                                                     ended=True))
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-ready snapshot for ``GET /status``. NaN/inf ratios are reported as ``null``."""
+        with self._cond:
+            doc = dict(self._status)
+            doc["checkpointRequested"] = self._checkpoint_requested or self._stop_requested
+            doc["stopRequested"] = self._stop_requested
+        for key in ("successRatio", "rewardMean"):
+            if isinstance(doc[key], float) and not math.isfinite(doc[key]):
+                doc[key] = None
+        return doc
+
+    # -- for the HTTP server -----------------------------------------------------------------------------------------
+
+    def request_checkpoint(self, *, stop: bool = False) -> int:
+        """Register a request (and a stop if ``stop``); returns a ticket for :meth:`wait`.
+
+        Raises:
+            RuntimeError: the trainer is already ``finished`` or ``failed``.
+        """
+        with self._cond:
+            if self._status["phase"] in _TERMINAL:
+                raise RuntimeError(f"trainer already {self._status['phase']}")
+            self._request_seq += 1
+            if stop:
+                self._stop_requested = True
+            else:
+                self._checkpoint_requested = True
+            self._cond.notify_all()
+            return self._request_seq
+
+    def wait(self, ticket: int, timeout: float) -> CheckpointResult | None:
+        """Block until the request ``ticket`` is answered; ``None`` on timeout (the request stays pending)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._answered_seq < ticket:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            # The first answer given at or after this ticket (it covered every request up to its key).
+            answered = [seq for seq in self._results if seq >= ticket]
+            if not answered:  # pruned: only after 64 later answers; report as a failure rather than guess
+                return CheckpointResult(error="checkpoint result no longer available")
+            return self._results[min(answered)]
+
+    def _answer_locked(self, result: CheckpointResult) -> None:
+        if self._answered_seq < self._request_seq:
+            self._answered_seq = self._request_seq
+            self._results[self._answered_seq] = result
+            # Keep only answers a waiter may still need (bounded memory under repeated requests).
+            if len(self._results) > 64:
+                for seq in sorted(self._results)[:-64]:
+                    del self._results[seq]
+        self._cond.notify_all()
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+    server_version = "daedalus-trainer"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        log.debug("%s - %s", self.address_string(), format % args)
+
+    # -- plumbing ----------------------------------------------------------------------------------------------------
+
+    def _send(self, code: int, body: bytes, content_type: str, headers: Mapping[str, str] | None = None) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, code: int, doc: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> None:
+        self._send(code, (json.dumps(doc) + "\n").encode("utf-8"), "application/json", headers)
+
+    def _drain_body(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if 0 < length <= 1 << 20:
+            self.rfile.read(length)
+
+    # -- routes ------------------------------------------------------------------------------------------------------
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+        path = urlsplit(self.path).path
+        if path == "/metrics":
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            self._send(200, encoder(self.server.metrics.registry), content_type)
+        elif path == "/healthz":
+            self._send(200, b"ok\n", "text/plain; charset=utf-8")
+        elif path == "/status":
+            self._json(200, self.server.control.status())
+        elif path in ("/checkpoint", "/stop"):
+            self._json(405, {"error": f"use POST {path}"}, {"Allow": "POST"})
+        else:
+            self._json(404, {"error": f"no route {path}", "routes": ["/metrics", "/healthz", "/status",
+                                                                     "POST /checkpoint", "POST /stop"]})
+
+    do_HEAD = do_GET
+
+    def do_POST(self) -> None:  # noqa: N802 - stdlib naming
+        self._drain_body()
+        url = urlsplit(self.path)
+        if url.path not in ("/checkpoint", "/stop"):
+            if url.path in ("/metrics", "/healthz", "/status"):
+                self._json(405, {"error": f"use GET {url.path}"}, {"Allow": "GET, HEAD"})
+            else:
+                self._json(404, {"error": f"no route {url.path}"})
+            return
+        if not self._authorised():
+            return
+        try:
+            timeout = self._timeout(url.query)
+        except ValueError as e:
+            self._json(400, {"error": str(e)})
+            return
+        stop = url.path == "/stop"
+        control = self.server.control
+        try:
+            ticket = control.request_checkpoint(stop=stop)
+        except RuntimeError as e:
+            self._json(409, {"error": str(e), "latestCheckpoint": control.status()["latestCheckpoint"]})
+            return
+        log.info("%s requested over HTTP by %s (waiting up to %.0f s)", url.path[1:], self.address_string(), timeout)
+        if timeout == 0:
+            self._json(202, {"requested": True, "stopping": stop})
+            return
+        result = control.wait(ticket, timeout)
+        if result is None:
+            self._json(504, {"error": f"no checkpoint written within {timeout:g} s; the request stays pending",
+                             "requested": True, "stopping": stop})
+        elif result.error is not None:
+            self._json(409 if result.ended else 500, {"error": result.error, "stopping": stop})
+        else:
+            assert result.time is not None
+            self._json(200, {"step": result.step, "path": result.path, "time": _rfc3339(result.time),
+                             "stopping": stop})
+
+    # -- helpers -----------------------------------------------------------------------------------------------------
+
+    def _authorised(self) -> bool:
+        expected = self.server.token_source()
+        if not expected:
+            self._json(503, {"error": f"control token not configured (set {TOKEN_ENV} or {TOKEN_FILE_ENV})"})
+            return False
+        header = self.headers.get("Authorization", "")
+        scheme, _, presented = header.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), expected.encode())
+        if not ok:
+            self._json(401, {"error": "missing or wrong bearer token"},
+                       {"WWW-Authenticate": 'Bearer realm="daedalus-trainer"'})
+        return ok
+
+    @staticmethod
+    def _timeout(query: str) -> float:
+        values = parse_qs(query).get("timeout")
+        if not values:
+            return DEFAULT_WAIT_SECONDS
+        try:
+            timeout = float(values[-1])
+        except ValueError:
+            raise ValueError(f"timeout must be a number of seconds, got {values[-1]!r}") from None
+        if not 0 <= timeout <= MAX_WAIT_SECONDS:
+            raise ValueError(f"timeout must be between 0 and {MAX_WAIT_SECONDS:g} seconds, got {timeout:g}")
+        return timeout
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    metrics: TrainerMetrics
+    control: ControlState
+    token_source: Callable[[], str | None]
+
+
+class TrainerServer:
+    """Serves the routes in the module docstring from a daemon thread of the trainer process.
+
+    Args:
+        metrics: the registry to expose on ``/metrics``.
+        control: the state shared with the training loop.
+        host: interface to bind; ``0.0.0.0`` on the Ray head so Prometheus and the operator can reach it (the
+            job's NetworkPolicy restricts who may); ``127.0.0.1`` for a local run.
+        port: TCP port (0 picks a free one; read :attr:`port` after :meth:`start`).
+        token_source: returns the control token or ``None``; default :func:`load_control_token` (read per request).
+
+    Use as a context manager or call :meth:`start` / :meth:`stop`. Raises ``OSError`` from :meth:`start` when the
+    port is taken.
+    """
+
+    def __init__(
+        self,
+        metrics: TrainerMetrics,
+        control: ControlState,
+        *,
+        host: str = "0.0.0.0",
+        port: int = DEFAULT_PORT,
+        token_source: Callable[[], str | None] = load_control_token,
+    ) -> None:
+        self.metrics = metrics
+        self.control = control
+        self.host = host
+        self._requested_port = port
+        self._token_source = token_source
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (valid after :meth:`start`)."""
+        if self._server is None:
+            raise RuntimeError("server not started")
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the running server (``127.0.0.1`` when bound to all interfaces)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> TrainerServer:
+        """Bind and serve in a daemon thread. Returns ``self``."""
+        if self._server is not None:
+            raise RuntimeError("server already started")
+        server = _Server((self.host, self._requested_port), _Handler)
+        server.metrics = self.metrics
+        server.control = self.control
+        server.token_source = self._token_source
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="daedalus-trainer-http", daemon=True)
+        self._thread.start()
+        log.info("trainer endpoint listening on %s:%d", self.host, self.port)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the socket (idempotent)."""
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server = None
+        self._thread = None
+
+    def __enter__(self) -> TrainerServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
