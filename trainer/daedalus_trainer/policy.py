@@ -16,8 +16,10 @@ vision tower, so a vision target would make the rollout policy differ from the t
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import shutil
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TINY_BASE_DIRNAME = "tiny-base"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: Shortest common prefix worth encoding once per batch (see :meth:`Policy.shared_prefix_length`).
+MIN_SHARED_PREFIX = 16
+#: Processed images kept by :meth:`Policy.process_images` (a 128x128 px image is ~0.4 MB of float32 patches).
+IMAGE_CACHE_SIZE = 512
 
 
 # --------------------------------------------------------------------------------------------------------- sequences
@@ -127,6 +133,7 @@ class Policy:
         self.processor = processor
         self.path = Path(path)
         self.device = device
+        self._image_cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         tok = processor.tokenizer
         tok.padding_side = "left"  # batched generation needs left padding; training batches pad right themselves
         self.image_token_id = int(processor.image_token_id)
@@ -277,11 +284,29 @@ class Policy:
 
     # -- batches ---------------------------------------------------------------------------------------------------
     def process_images(self, images: Sequence[Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run the checkpoint's image processor: ``(pixel_values [P, D], image_grid_thw [N, 3])``, or ``(None, None)``."""
+        """Run the checkpoint's image processor: ``(pixel_values [P, D], image_grid_thw [N, 3])``, or ``(None, None)``.
+
+        Results are cached per image content (the last :data:`IMAGE_CACHE_SIZE` distinct images): the same maze
+        picture recurs across turns, batches and the engine/learner of one process.
+        """
         if not images:
             return None, None
-        out = self.processor.image_processor(images=[to_pil(i) for i in images], return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
+        pv, grids = [], []
+        for img in images:
+            arr = np.asarray(img)
+            key = (arr.shape, hashlib.blake2b(arr.tobytes(), digest_size=16).digest())
+            hit = self._image_cache.get(key)
+            if hit is None:
+                out = self.processor.image_processor(images=[to_pil(arr)], return_tensors="pt")
+                hit = (out["pixel_values"], out["image_grid_thw"])
+                self._image_cache[key] = hit
+                if len(self._image_cache) > IMAGE_CACHE_SIZE:
+                    self._image_cache.popitem(last=False)
+            else:
+                self._image_cache.move_to_end(key)
+            pv.append(hit[0])
+            grids.append(hit[1])
+        return torch.cat(pv), torch.cat(grids)
 
     def image_token_count(self, grid_thw: torch.Tensor) -> list[int]:
         """Visual tokens per image: ``t * h * w / merge_size**2`` for each row of ``grid_thw`` ``[N, 3]``."""
@@ -326,7 +351,59 @@ class Policy:
         return batch.to(self.device)
 
     # -- log-probs -------------------------------------------------------------------------------------------------
-    def _assistant_logits(self, batch: PolicyBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def shared_prefix_length(self, batch: PolicyBatch) -> int:
+        """Length P of the token prefix every sequence of ``batch`` shares and that may be encoded once.
+
+        The prefix holds no image token and ends before the first assistant token's predecessor, so every assistant
+        token is predicted from a suffix position. 0 (no sharing) for a single sequence or a prefix shorter than
+        :data:`MIN_SHARED_PREFIX`.
+        """
+        ids = batch.input_ids
+        if ids.shape[0] < 2:
+            return 0
+        ok = (ids == ids[:1]).all(0) & batch.attention_mask.bool().all(0) & ~batch.mm_token_type_ids.bool().any(0)
+        asst = batch.assistant_mask.bool().any(0)
+        limit = int(asst.nonzero()[0, 0]) - 1 if asst.any() else ids.shape[1] - 1
+        bad = (~ok[:limit]).nonzero()
+        p = int(bad[0, 0]) if len(bad) else limit
+        return p if p >= MIN_SHARED_PREFIX else 0
+
+    def _hidden_states(self, batch: PolicyBatch, share_prefix: bool) -> tuple[torch.Tensor, int]:
+        """Final hidden states ``[B, T - P, H]`` of positions ``P..T-1`` and ``P``.
+
+        With ``share_prefix``, the common prefix (typically the system prompt, :meth:`shared_prefix_length`) is run
+        once with batch 1 and its key/value cache is repeated over the batch; gradients flow through the repeat, so
+        the result (values and gradients) equals the plain forward up to float rounding, at a fraction of the cost
+        when the prompt dominates the sequence. M-RoPE positions come from the whole sequence
+        (``get_rope_index``), so they are those of the plain forward.
+        """
+        from transformers import DynamicCache
+
+        base = self.base_model
+        vl = base.model
+        kwargs: dict[str, Any] = {}
+        if batch.pixel_values is not None:
+            kwargs["pixel_values"] = batch.pixel_values.to(base.dtype)
+            kwargs["image_grid_thw"] = batch.image_grid_thw
+        p = self.shared_prefix_length(batch) if share_prefix else 0
+        if p == 0:
+            out = vl(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                     mm_token_type_ids=batch.mm_token_type_ids, use_cache=False, **kwargs)
+            return out.last_hidden_state, 0
+        positions, _ = vl.get_rope_index(batch.input_ids, batch.mm_token_type_ids, batch.image_grid_thw,
+                                         attention_mask=batch.attention_mask)  # [3, B, T]
+        cache = DynamicCache(config=vl.language_model.config)
+        vl.language_model(inputs_embeds=vl.get_input_embeddings()(batch.input_ids[:1, :p]),
+                          attention_mask=batch.attention_mask[:1, :p], position_ids=positions[:, :1, :p],
+                          past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(batch.input_ids.shape[0])
+        out = vl(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask,
+                 position_ids=positions[:, :, p:], past_key_values=cache, use_cache=True,
+                 mm_token_type_ids=batch.mm_token_type_ids[:, p:], **kwargs)
+        return out.last_hidden_state, p
+
+    def _assistant_logits(self, batch: PolicyBatch, temperature: float,
+                          share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Logits ``[N, V]`` (float32, divided by ``temperature``) predicting the N assistant tokens, the targets
         ``[N]`` and a bool mask ``[B, T]`` of the predicted positions (in ``input_ids`` coordinates).
 
@@ -335,23 +412,14 @@ class Policy:
         """
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        base = self.base_model
-        kwargs: dict[str, Any] = {}
-        if batch.pixel_values is not None:
-            kwargs["pixel_values"] = batch.pixel_values.to(base.dtype)
-            kwargs["image_grid_thw"] = batch.image_grid_thw
-        out = base.model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-            mm_token_type_ids=batch.mm_token_type_ids, use_cache=False, **kwargs,
-        )
-        hidden = out.last_hidden_state  # [B, T, H]
+        hidden, p = self._hidden_states(batch, share_prefix)  # [B, T - p, H]
         target_mask = torch.zeros_like(batch.assistant_mask, dtype=torch.bool)
         target_mask[:, 1:] = batch.assistant_mask[:, 1:].bool()  # position t is predicted from hidden state t-1
-        h = hidden[:, :-1][target_mask[:, 1:]]  # [N, H]
-        logits = base.lm_head(h).float() / temperature  # [N, V]
+        h = hidden[:, :-1][target_mask[:, p + 1 :]]  # [N, H]
+        logits = self.base_model.lm_head(h).float() / temperature  # [N, V]
         return logits, batch.input_ids[target_mask], target_mask
 
-    def response_logprobs(self, batch: PolicyBatch, temperature: float = 1.0) -> torch.Tensor:
+    def response_logprobs(self, batch: PolicyBatch, temperature: float = 1.0, share_prefix: bool = True) -> torch.Tensor:
         """Per-token log-probs of the assistant tokens: ``out[b, t] = log softmax(z_{t-1} / temperature)[x_t]``.
 
         ``z_{t-1}`` are the model's logits after reading ``x_<t`` (multi-turn, multi-image context through the vision
@@ -362,25 +430,27 @@ class Policy:
         Args:
             batch: from :meth:`collate`.
             temperature: > 0.
+            share_prefix: encode the batch's common prompt prefix once (same values, less compute; see
+                :meth:`_hidden_states`).
 
         Returns:
             float32 ``[B, T]`` aligned with ``batch.input_ids``; 0 where ``assistant_mask`` is 0. Differentiable with
             respect to the trainable parameters (wrap in ``torch.no_grad()`` for old/reference log-probs).
         """
-        logits, targets, mask = self._assistant_logits(batch, temperature)
+        logits, targets, mask = self._assistant_logits(batch, temperature, share_prefix)
         lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # [N]
         out = torch.zeros(mask.shape, dtype=torch.float32, device=lp.device)
         return out.masked_scatter(mask, lp)
 
     @torch.no_grad()
-    def reference_logprobs(self, batch: PolicyBatch, temperature: float = 1.0) -> torch.Tensor:
+    def reference_logprobs(self, batch: PolicyBatch, temperature: float = 1.0, share_prefix: bool = True) -> torch.Tensor:
         """:meth:`response_logprobs` of the reference policy (adapter disabled), without gradients. ``[B, T]``.
 
         Raises:
             ValueError: no adapter attached.
         """
         with self.reference():
-            return self.response_logprobs(batch, temperature)
+            return self.response_logprobs(batch, temperature, share_prefix)
 
     @torch.no_grad()
     def greedy_match(self, batch: PolicyBatch) -> torch.Tensor:

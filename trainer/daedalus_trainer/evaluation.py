@@ -1,0 +1,254 @@
+"""Held-out evaluation: success rate with confidence intervals, turns, format and wall-bump rates, GIFs.
+
+The evaluation set is fixed by ``environment.evalMazes`` and ``environment.evalSeed`` and held out by layout
+(:mod:`daedalus_trainer.layouts`). Success is the environment's own (``successOn``): reward 1 only when the task is
+solved, never inflated by format terms.
+
+Figures per decoding mode (``greedy``: temperature 0; ``sampled``: the rollout temperature and top-p):
+
+- ``success_rate`` with a 95% Wilson score interval (Wilson 1927, "Probable inference, the law of succession, and
+  statistical inference", JASA 22(158); recommended over the normal interval for small n and rates near 0 or 1 by
+  Brown, Cai & DasGupta 2001, Statistical Science 16(2));
+- ``mean_turns`` over all episodes, and ``optimal_ratio``: mean of turns / optimal actions over successful episodes
+  (optimal actions = BFS path length, plus the final ``stop`` under ``stop-on-goal``; 1.0 is perfect);
+- ``parse_failure_rate`` and ``wall_bump_rate``: fractions of all turns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from daedalus_trainer.layouts import LayoutReport, check_layouts, eval_mazes
+from daedalus_trainer.rollout.engine import RolloutEngine, SamplingParams
+from daedalus_trainer.rollout.episode import Trajectory, run_episodes
+
+#: Two-sided 95% standard-normal quantile.
+Z95 = 1.959963984540054
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion: ``(low, high)`` in [0, 1]; ``(0, 1)`` when ``n == 0``.
+
+    ``center = (p + z^2/2n) / (1 + z^2/n)``, ``half = z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n)`` (Wilson 1927).
+
+    Raises:
+        ValueError: ``successes`` outside ``[0, n]``.
+    """
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes must be in [0, n], got {successes} of {n}")
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+@dataclass
+class ModeResult:
+    """Evaluation figures of one decoding mode (see the module docstring)."""
+
+    mode: str
+    temperature: float
+    episodes: int
+    successes: int
+    success_rate: float
+    ci_low: float
+    ci_high: float
+    mean_turns: float
+    optimal_ratio: float | None
+    parse_failure_rate: float
+    wall_bump_rate: float
+    turns: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict."""
+        return asdict(self)
+
+
+def summarize(trajectories: Sequence[Trajectory], mode: str, temperature: float, success_on: str,
+              seconds: float = 0.0) -> ModeResult:
+    """:class:`ModeResult` of finished episodes.
+
+    Raises:
+        ValueError: no trajectories.
+    """
+    if not trajectories:
+        raise ValueError("no episodes to summarize")
+    n = len(trajectories)
+    k = sum(1 for t in trajectories if t.success)
+    lo, hi = wilson_interval(k, n)
+    turns = [t.num_turns for t in trajectories]
+    all_turns = [u for t in trajectories for u in t.turns]
+    extra = 1 if success_on == "stop-on-goal" else 0
+    ratios = [t.num_turns / max(1, t.optimal_path_length + extra) for t in trajectories if t.success]
+    return ModeResult(
+        mode=mode, temperature=temperature, episodes=n, successes=k, success_rate=k / n, ci_low=lo, ci_high=hi,
+        mean_turns=float(np.mean(turns)), optimal_ratio=float(np.mean(ratios)) if ratios else None,
+        parse_failure_rate=sum(u.parse_error for u in all_turns) / max(1, len(all_turns)),
+        wall_bump_rate=sum(u.wall_bump for u in all_turns) / max(1, len(all_turns)),
+        turns=len(all_turns), seconds=round(seconds, 2),
+    )
+
+
+def evaluate(engine: RolloutEngine, mazes: Sequence[Any], env_spec: Any, sampling: SamplingParams, *,
+             mode: str = "greedy", seed: int | None = None) -> tuple[ModeResult, list[Trajectory]]:
+    """Play every maze once with ``engine`` and summarise; returns ``(result, trajectories)``."""
+    t0 = time.perf_counter()
+    trajectories = run_episodes(engine, mazes, env_spec, sampling, seed=seed)
+    result = summarize(trajectories, mode, sampling.temperature, env_spec.success_on, time.perf_counter() - t0)
+    return result, trajectories
+
+
+@dataclass
+class EvalReport:
+    """Everything ``daedalus eval`` reports."""
+
+    job: str
+    model_path: str
+    adapter_path: str | None
+    size: int
+    mazes: int
+    layouts: LayoutReport
+    results: list[ModeResult] = field(default_factory=list)
+    gifs: list[str] = field(default_factory=list)
+
+    def result(self, mode: str) -> ModeResult:
+        """The result of ``mode`` (``greedy`` or ``sampled``).
+
+        Raises:
+            KeyError: that mode was not run.
+        """
+        for r in self.results:
+            if r.mode == mode:
+                return r
+        raise KeyError(mode)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict."""
+        return {
+            "job": self.job, "model_path": self.model_path, "adapter_path": self.adapter_path, "size": self.size,
+            "mazes": self.mazes, "layouts": self.layouts.to_dict(), "results": [r.to_dict() for r in self.results],
+            "gifs": self.gifs,
+        }
+
+    def to_json(self) -> str:
+        """JSON text (indent 2)."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def table(self) -> Any:
+        """A ``rich.table.Table`` with one row per decoding mode."""
+        from rich.table import Table
+
+        t = Table(title=f"{self.job}: held-out evaluation, {self.mazes} mazes of size {self.size} "
+                        f"({self.layouts.summary()})")
+        for col in ("mode", "success", "95% CI", "mean turns", "turns/optimal", "parse failures", "wall bumps"):
+            t.add_column(col, justify="left" if col == "mode" else "right")
+        for r in self.results:
+            mode = r.mode if r.mode == "greedy" else f"{r.mode} (T={r.temperature:g})"
+            t.add_row(mode, f"{r.success_rate:.1%} ({r.successes}/{r.episodes})", f"{r.ci_low:.1%}–{r.ci_high:.1%}",
+                      f"{r.mean_turns:.1f}", "-" if r.optimal_ratio is None else f"{r.optimal_ratio:.2f}",
+                      f"{r.parse_failure_rate:.1%}", f"{r.wall_bump_rate:.1%}")
+        return t
+
+
+def write_gif(trajectory: Trajectory, path: str | Path, frame_ms: int = 400, scale: int = 2) -> Path:
+    """Write an animated GIF of an episode (Pillow): one frame per observation, the reply and feedback below it.
+
+    Frames come from the trajectory's images (the current observation of each turn, then the final one), so no
+    re-rendering is needed. Returns ``path``.
+    """
+    from PIL import Image, ImageDraw
+
+    frames_rgb = [t.images[-1] for t in trajectory.turns if t.images]
+    if trajectory.final_image is not None:
+        frames_rgb.append(trajectory.final_image)
+    if not frames_rgb:
+        raise ValueError("the trajectory holds no images (ascii observations): nothing to draw")
+    captions = [f"{i + 1}: {t.text[:40]!s} -> {t.feedback[:40]}" for i, t in enumerate(trajectory.turns)]
+    captions.append("success" if trajectory.success else ("turn limit" if trajectory.truncated else "failed"))
+    frames = []
+    for img, cap in zip(frames_rgb, captions):
+        im = Image.fromarray(np.asarray(img, dtype=np.uint8)).resize(
+            (img.shape[1] * scale, img.shape[0] * scale), Image.NEAREST)
+        canvas = Image.new("RGB", (max(im.width, 320), im.height + 18), "white")
+        canvas.paste(im, (0, 0))
+        ImageDraw.Draw(canvas).text((2, im.height + 3), cap, fill="black")
+        frames.append(canvas)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=frame_ms, loop=0)
+    return path
+
+
+def run_eval(
+    job: Any,
+    model_path: str | Path,
+    adapter_path: str | Path | None = None,
+    greedy: bool = True,
+    sampled: bool = True,
+    gif_dir: str | Path | None = None,
+    n: int | None = None,
+    *,
+    gifs: int = 4,
+) -> EvalReport:
+    """Evaluate a model (and optional LoRA adapter) on the job's held-out mazes.
+
+    Args:
+        job: ``RLTrainingJob``.
+        model_path: checkpoint directory (e.g. SFT's ``<out>/model``).
+        adapter_path: PEFT adapter directory loaded on top.
+        greedy / sampled: which decoding modes to run (sampled uses ``algorithm.temperature`` / ``top_p``, seeded
+            from ``environment.evalSeed``).
+        gif_dir: write GIFs of up to ``gifs`` greedy episodes (successes first, then failures) there.
+        n: evaluate only the first ``n`` held-out mazes.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``model_path`` / no adapter at ``adapter_path``.
+        daedalus_trainer.layouts.LayoutError: invalid held-out configuration.
+        ValueError: neither mode requested.
+    """
+    from daedalus_trainer.policy import load_pretrained
+    from daedalus_trainer.rollout.engine import TransformersEngine
+
+    if not (greedy or sampled):
+        raise ValueError("nothing to evaluate: enable greedy and/or sampled")
+    spec = job.spec
+    env = spec.environment
+    layouts = check_layouts(env)
+    mazes = eval_mazes(env, n)
+    policy = load_pretrained(model_path, spec.model.dtype)
+    if adapter_path:
+        policy.load_adapter(adapter_path, trainable=False)
+    policy.model.eval()
+    engine = TransformersEngine(policy)
+    report = EvalReport(job=job.metadata.name, model_path=str(model_path),
+                        adapter_path=str(adapter_path) if adapter_path else None, size=int(env.size),
+                        mazes=len(mazes), layouts=layouts)
+    alg = spec.algorithm
+    greedy_trajs: list[Trajectory] = []
+    if greedy:
+        res, greedy_trajs = evaluate(engine, mazes, env, SamplingParams(0.0, 1.0, alg.max_tokens_per_turn),
+                                     mode="greedy")
+        report.results.append(res)
+    if sampled:
+        res, _ = evaluate(engine, mazes, env, SamplingParams(alg.temperature, alg.top_p, alg.max_tokens_per_turn),
+                          mode="sampled", seed=int(env.eval_seed))
+        report.results.append(res)
+    if gif_dir and greedy_trajs and "image" in env.observation:
+        order = [i for i, t in enumerate(greedy_trajs) if t.success] + [
+            i for i, t in enumerate(greedy_trajs) if not t.success]
+        for i in order[:gifs]:
+            tag = "success" if greedy_trajs[i].success else "failure"
+            report.gifs.append(str(write_gif(greedy_trajs[i], Path(gif_dir) / f"maze-{i:03d}-{tag}.gif")))
+    return report

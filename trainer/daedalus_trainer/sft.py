@@ -1,0 +1,383 @@
+"""Supervised fine-tuning on solver demonstrations: the starting point GRPO begins from.
+
+VisGym shipped an SFT checkpoint for its mazes; for the tiny model we make our own. Each training example is one turn
+of a demonstration (the breadth-first-search solver's moves, then ``stop`` under ``stop-on-goal``), rendered **exactly
+like a rollout turn** by :mod:`daedalus_trainer.prompts`: same system prompt, same history window, same image
+processing; the target is the canonical reply's tokens plus ``<|im_end|>``, the tokens a rollout engine would
+generate. The loss is the token-mean negative log-likelihood over those assistant tokens only.
+
+- Tiny model (``model.tiny``): full fine-tune of the random-init model; writes a full checkpoint ``<out>/model``.
+- Real model: a LoRA adapter (``spec.lora``) on the frozen base; writes ``<out>/adapter`` (PEFT format).
+
+Demonstrations come from :class:`daedalus_trainer.layouts.TrainingSampler`, so no evaluation layout is ever shown.
+Each step draws ``batch_size`` mazes from ``(sft.seed, step)`` and one uniformly chosen turn of each, so the data of
+step ``k`` does not depend on what ran before, and a resumed run sees the same data as an uninterrupted one.
+
+Step accuracy (logged with the loss): the fraction of held-out demonstration turns (from evaluation layouts) on which
+greedy decoding reproduces the solver's reply exactly (:meth:`daedalus_trainer.policy.Policy.greedy_match`). Greedy
+success stays near 0 until it passes ~0.9 (one wrong move into a wall repeats forever), so it is the figure to watch.
+
+Budget: ``sft.steps`` optimizer steps or ``sft.maxSeconds`` seconds of training, whichever comes first. The seconds
+count the training loop (data, forward, backward, update, step-accuracy logging, checkpoints), summed across resumed
+runs, and exclude the periodic held-out evaluations (``sft.evalEvery``), which are timed separately.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from daedalus_trainer import prompts
+from daedalus_trainer.envs import STOP, format_action, solve
+from daedalus_trainer.layouts import TrainingSampler, check_layouts, eval_mazes
+from daedalus_trainer.policy import Policy, TokenSequence, load_policy, load_pretrained, resolve_base_dir
+from daedalus_trainer.rollout.episode import make_env
+
+CHECKPOINT_DIRNAME = "checkpoint"
+MODEL_DIRNAME = "model"
+ADAPTER_DIRNAME = "adapter"
+REPORT_NAME = "sft_report.json"
+#: Linear learning-rate warm-up (steps) before the constant rate.
+WARMUP_STEPS = 20
+#: Held-out demonstration turns used for step accuracy.
+ACCURACY_TURNS = 128
+#: Steps between step-accuracy measurements and log records.
+LOG_EVERY = 50
+#: Seconds of training between resumable checkpoints.
+CHECKPOINT_SECONDS = 60.0
+MAX_GRAD_NORM = 1.0
+
+
+# ------------------------------------------------------------------------------------------------- demonstrations
+@dataclass
+class DemoTurn:
+    """One demonstration turn: the prompt messages and images a rollout would see, and the solver's reply."""
+
+    messages: list[dict[str, Any]]
+    images: list[Any]
+    reply: str
+
+
+def demonstration(maze: Any, env_spec: Any, upto: int | None = None) -> list[DemoTurn]:
+    """The solver's episode on ``maze`` as prompt/reply turns, rendered like rollout turns.
+
+    The environment is stepped with the canonical replies (:func:`daedalus_trainer.envs.format_action`), so every
+    observation and feedback line is the environment's own. Ends with ``stop`` under ``stop-on-goal``; cut at the
+    turn limit if a fixed ``max_turns`` is shorter than the solution, and after turn ``upto`` (0-based) if given.
+    """
+    settings = prompts.PromptSettings.from_env(env_spec)
+    env = make_env(env_spec)
+    obs, _ = env.reset(options={"maze": maze})
+    actions = demo_actions(maze, env_spec)
+    observations, replies, turns = [obs], [], []
+    for k, action in enumerate(actions):
+        reply = format_action(action, env_spec.action_format)
+        messages, images = prompts.build_conversation(observations, replies, settings)
+        turns.append(DemoTurn(messages, images, reply))
+        if upto is not None and k >= upto:
+            break
+        obs, _, terminated, truncated, _ = env.step(reply)
+        if terminated or truncated:
+            break
+        observations.append(obs)
+        replies.append(reply)
+    return turns
+
+
+def demo_actions(maze: Any, env_spec: Any) -> list[str]:
+    """The solver's actions: BFS moves, then ``stop`` under ``stop-on-goal``; cut at a fixed ``max_turns``."""
+    actions = solve(maze) + ([STOP] if env_spec.success_on == "stop-on-goal" else [])
+    return actions[: int(env_spec.max_turns)] if int(env_spec.max_turns) > 0 else actions
+
+
+def encode_turns(policy: Policy, turns: list[DemoTurn]) -> list[TokenSequence]:
+    """Tokenize demonstration turns exactly as a rollout engine would (one processor call, padding stripped)."""
+    enc = prompts.encode_prompts(policy.processor, [t.messages for t in turns], [t.images for t in turns])
+    out = []
+    for i, t in enumerate(turns):
+        ids = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
+        out.append(TokenSequence(ids, prompts.completion_ids(policy.tokenizer, t.reply, policy.im_end_id), t.images))
+    return out
+
+
+class DemoSource:
+    """Demonstration batches: step ``k`` -> ``batch_size`` turns, one uniformly chosen turn per sampled maze."""
+
+    def __init__(self, policy: Policy, env_spec: Any, sampler: TrainingSampler, seed: int):
+        self.policy, self.env_spec, self.sampler, self.seed = policy, env_spec, sampler, int(seed)
+
+    def turns(self, step: int, batch_size: int) -> list[DemoTurn]:
+        """The demonstration turns of ``step`` (deterministic)."""
+        rng = np.random.default_rng([self.seed, int(step), 104729])
+        out = []
+        for maze in self.sampler.mazes(step, batch_size):
+            k = int(rng.integers(len(demo_actions(maze, self.env_spec))))
+            out.append(demonstration(maze, self.env_spec, upto=k)[k])
+        return out
+
+    def batch(self, step: int, batch_size: int) -> list[TokenSequence]:
+        """:meth:`turns` tokenized."""
+        return encode_turns(self.policy, self.turns(step, batch_size))
+
+
+def heldout_turns(env_spec: Any, n: int = ACCURACY_TURNS, seed: int = 0) -> list[DemoTurn]:
+    """``n`` demonstration turns from the evaluation mazes (cycled), one random turn each: step-accuracy data."""
+    mazes = eval_mazes(env_spec)
+    rng = np.random.default_rng([seed, 15485863])
+    out = []
+    for i in range(n):
+        maze = mazes[i % len(mazes)]
+        k = int(rng.integers(len(demo_actions(maze, env_spec))))
+        out.append(demonstration(maze, env_spec, upto=k)[k])
+    return out
+
+
+@torch.no_grad()
+def step_accuracy(policy: Policy, sequences: list[TokenSequence], chunk: int = 64) -> float:
+    """Fraction of ``sequences`` whose completion greedy decoding reproduces exactly (see module docstring)."""
+    was = policy.model.training
+    policy.model.eval()
+    hits = 0
+    try:
+        for lo in range(0, len(sequences), chunk):
+            hits += int(policy.greedy_match(policy.collate(sequences[lo : lo + chunk])).sum())
+    finally:
+        policy.model.train(was)
+    return hits / max(1, len(sequences))
+
+
+# ----------------------------------------------------------------------------------------------------- training
+@dataclass
+class SFTState:
+    """What a resumed SFT run continues from (``<out>/checkpoint/state.json``)."""
+
+    step: int = 0
+    seconds: float = 0.0
+    eval_seconds: float = 0.0
+    tokens: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        """JSON text."""
+        return json.dumps(self.__dict__, indent=2)
+
+
+def _atomic_replace_dir(tmp: Path, final: Path) -> None:
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def save_checkpoint(out_dir: Path, policy: Policy, optimizer: torch.optim.Optimizer, state: SFTState) -> Path:
+    """Write ``<out>/checkpoint`` (weights or adapter, optimizer, state) atomically: temp dir, fsync, rename."""
+    final = out_dir / CHECKPOINT_DIRNAME
+    tmp = out_dir / (CHECKPOINT_DIRNAME + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    if policy.has_adapter:
+        policy.save_adapter(tmp / ADAPTER_DIRNAME)
+    else:
+        policy.save_pretrained(tmp / MODEL_DIRNAME)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(state.to_json())
+    _fsync_tree(tmp)
+    _atomic_replace_dir(tmp, final)
+    return final
+
+
+def _find_checkpoint(out_dir: Path) -> Path | None:
+    for name in (CHECKPOINT_DIRNAME, CHECKPOINT_DIRNAME + ".old"):
+        p = out_dir / name
+        if (p / "state.json").is_file() and (p / "optimizer.pt").is_file():
+            return p
+    return None
+
+
+def _lr_at(step: int, lr: float) -> float:
+    return lr * min(1.0, (step + 1) / WARMUP_STEPS)
+
+
+def _load_start(job: Any, out_dir: Path, resume: bool) -> tuple[Policy, SFTState, dict | None]:
+    spec = job.spec
+    ckpt = _find_checkpoint(out_dir) if resume else None
+    tiny = bool(spec.model.tiny) and not spec.model.sft_adapter
+    if ckpt is not None:
+        state = SFTState(**json.loads((ckpt / "state.json").read_text()))
+        opt_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+        if (ckpt / MODEL_DIRNAME).is_dir():
+            policy = load_pretrained(ckpt / MODEL_DIRNAME, spec.model.dtype)
+        else:
+            policy = load_pretrained(resolve_base_dir(spec.model, out_dir), spec.model.dtype)
+            policy.load_adapter(ckpt / ADAPTER_DIRNAME, trainable=True)
+        return policy, state, opt_state
+    if tiny:
+        policy = load_pretrained(resolve_base_dir(spec.model, out_dir), spec.model.dtype)
+    else:
+        policy = load_policy(spec.model, spec.lora, work_dir=out_dir)
+    return policy, SFTState(), None
+
+
+def run_sft(
+    job: Any,
+    out_dir: str | Path,
+    resume: bool = True,
+    *,
+    progress: bool = True,
+    final_eval: bool = True,
+    checkpoint_seconds: float = CHECKPOINT_SECONDS,
+) -> Path:
+    """Run SFT for ``job`` (an ``RLTrainingJob``) into ``out_dir``; return the saved model (tiny) or adapter dir.
+
+    Writes ``<out>/model`` (tiny: full checkpoint, loadable by :func:`daedalus_trainer.policy.load_pretrained`) or
+    ``<out>/adapter`` (PEFT), ``<out>/sft_report.json`` (settings, steps, seconds, loss and step-accuracy history,
+    layout report, final greedy evaluation) and, while running, ``<out>/checkpoint`` every ``checkpoint_seconds`` and
+    on interruption. With ``resume``, a finished run returns its result at once and an interrupted one continues.
+
+    Raises:
+        daedalus_trainer.layouts.LayoutError: the evaluation set leaves too few training layouts.
+        FileNotFoundError: a real model without a local checkpoint.
+    """
+    from tqdm.auto import tqdm
+
+    spec = job.spec
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report_path = out_dir / REPORT_NAME
+    if resume and report_path.is_file():
+        done = json.loads(report_path.read_text())
+        result = Path(done["result"])
+        if done.get("completed") and ((result / "config.json").is_file() or (result / "adapter_config.json").is_file()):
+            return result
+
+    layout_report = check_layouts(spec.environment)
+    policy, state, opt_state = _load_start(job, out_dir, resume)
+    policy.model.train()
+    params = policy.trainable_parameters()
+    optimizer = torch.optim.AdamW(params, lr=spec.sft.learning_rate, weight_decay=0.0)
+    if opt_state is not None:
+        optimizer.load_state_dict(opt_state)
+    sampler = TrainingSampler.for_env(spec.environment, spec.sft.seed)
+    source = DemoSource(policy, spec.environment, sampler, spec.sft.seed)
+    heldout = encode_turns(policy, heldout_turns(spec.environment, seed=spec.sft.seed))
+    max_steps, max_seconds = int(spec.sft.steps), float(spec.sft.max_seconds)
+
+    def budget_left() -> bool:
+        return state.step < max_steps and (max_seconds <= 0 or state.seconds < max_seconds)
+
+    bar = tqdm(total=max_steps, initial=state.step, desc="sft", disable=not progress, dynamic_ncols=True,
+               file=sys.stderr)
+    last_ckpt = state.seconds
+    window_loss, window_tokens, window_time = [], 0, 0.0
+    try:
+        while budget_left():
+            t0 = time.perf_counter()
+            batch = policy.collate(source.batch(state.step, spec.sft.batch_size))
+            for g in optimizer.param_groups:
+                g["lr"] = _lr_at(state.step, spec.sft.learning_rate)
+            logp = policy.response_logprobs(batch)  # [B, T], 0 off the assistant tokens
+            loss = -logp.sum() / batch.assistant_mask.sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+            optimizer.step()
+            state.step += 1
+            n_tok = int(batch.attention_mask.sum())
+            state.tokens += n_tok
+            dt = time.perf_counter() - t0
+            state.seconds += dt
+            window_loss.append(float(loss))
+            window_tokens += n_tok
+            window_time += dt
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}", tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}",
+                            s=f"{state.seconds:.0f}")
+            if state.step % LOG_EVERY == 0 or not budget_left():
+                t1 = time.perf_counter()
+                acc = step_accuracy(policy, heldout)
+                state.seconds += time.perf_counter() - t1
+                state.history.append({
+                    "step": state.step, "seconds": round(state.seconds, 2), "loss": float(np.mean(window_loss)),
+                    "tokens_per_second": round(window_tokens / max(window_time, 1e-9), 1), "step_accuracy": acc,
+                })
+                bar.set_postfix(loss=f"{np.mean(window_loss):.3f}", acc=f"{acc:.2f}",
+                                tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}", s=f"{state.seconds:.0f}")
+                window_loss, window_tokens, window_time = [], 0, 0.0
+            if spec.sft.eval_every and state.step % spec.sft.eval_every == 0 and budget_left():
+                t1 = time.perf_counter()
+                res = _greedy_eval(policy, spec)
+                state.eval_seconds += time.perf_counter() - t1
+                state.history.append({"step": state.step, "eval_greedy_success": res["success_rate"]})
+                bar.write(f"step {state.step}: held-out greedy success {res['success_rate']:.2f}")
+            if state.seconds - last_ckpt >= checkpoint_seconds:
+                t1 = time.perf_counter()
+                save_checkpoint(out_dir, policy, optimizer, state)
+                state.seconds += time.perf_counter() - t1
+                last_ckpt = state.seconds
+    except KeyboardInterrupt:
+        save_checkpoint(out_dir, policy, optimizer, state)
+        bar.close()
+        raise
+    bar.close()
+    save_checkpoint(out_dir, policy, optimizer, state)
+
+    policy.model.eval()
+    if policy.has_adapter:
+        result = policy.save_adapter(out_dir / ADAPTER_DIRNAME)
+    else:
+        result = policy.save_pretrained(out_dir / MODEL_DIRNAME)
+    report = {
+        "result": str(result),
+        "completed": True,
+        "steps": state.step,
+        "seconds": round(state.seconds, 2),
+        "eval_seconds": round(state.eval_seconds, 2),
+        "tokens": state.tokens,
+        "settings": {"steps": max_steps, "max_seconds": max_seconds, "batch_size": spec.sft.batch_size,
+                     "learning_rate": spec.sft.learning_rate, "seed": spec.sft.seed,
+                     "full_finetune": not policy.has_adapter, "torch_threads": torch.get_num_threads()},
+        "layouts": layout_report.to_dict(),
+        "history": state.history,
+    }
+    if final_eval:
+        t1 = time.perf_counter()
+        report["final_eval"] = _greedy_eval(policy, spec)
+        report["final_eval_seconds"] = round(time.perf_counter() - t1, 2)
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    return result
+
+
+def _greedy_eval(policy: Policy, spec: Any) -> dict[str, Any]:
+    from daedalus_trainer.evaluation import evaluate
+    from daedalus_trainer.rollout.engine import SamplingParams, TransformersEngine
+
+    engine = TransformersEngine(policy)
+    sampling = SamplingParams(temperature=0.0, max_tokens=spec.algorithm.max_tokens_per_turn)
+    was = policy.model.training
+    try:
+        result, _ = evaluate(engine, eval_mazes(spec.environment), spec.environment, sampling, mode="greedy")
+    finally:
+        policy.model.train(was)
+    return result.to_dict()
+
