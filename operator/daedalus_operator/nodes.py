@@ -1,0 +1,342 @@
+"""Pure readers: Kubernetes Node, Pod and KubeRay RayCluster bodies -> small values the planner decides on.
+
+No I/O here; the kopf indexes that collect the bodies live in :mod:`daedalus_operator.handlers`.
+
+- :func:`node_health` turns the job's pods and the nodes under them into a :class:`NodeHealth`: nodes that SageMaker
+  HyperPod announced for replacement or reboot (label ``sagemaker.amazonaws.com/node-health-status``), nodes that are
+  gone or not Ready, pods that failed, are being deleted, went missing or were replaced after the attempt started, and
+  pods sitting on nodes that should not run them (to be deleted so KubeRay reschedules them).
+- :func:`read_cluster` turns a RayCluster body into a :class:`ClusterState` (ready or not, head address and ports as
+  KubeRay publishes them in ``status.head`` and ``status.endpoints``).
+
+Sources: core/v1 Node and Pod (https://kubernetes.io/docs/reference/kubernetes-api/), HyperPod node labels
+(https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-hyperpod-eks-resiliency-node-labels.html), KubeRay v1.7
+RayCluster status (``state``, ``conditions`` HeadPodReady / RayClusterProvisioned, ``head.serviceIP``,
+``endpoints``; ray-operator/apis/ray/v1/raycluster_types.go).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from daedalus_operator import api
+from daedalus_operator.api import NodeHealthStatus, Reason
+
+ANNOUNCED = {
+    NodeHealthStatus.PENDING_REPLACEMENT.value: Reason.NODE_REPLACEMENT,
+    NodeHealthStatus.PENDING_REBOOT.value: Reason.NODE_REBOOT,
+}
+
+
+def parse_time(value: str | None) -> dt.datetime | None:
+    """Parse an RFC 3339 timestamp (``2026-01-02T03:04:05Z``, fractional seconds and offsets accepted) into an aware
+    UTC datetime; ``None`` for ``None`` or an empty string.
+
+    Raises:
+        ValueError: not an RFC 3339 timestamp.
+    """
+    if not value:
+        return None
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(dt.timezone.utc)
+
+
+def format_time(value: dt.datetime) -> str:
+    """RFC 3339 UTC with second precision (the metav1.Time wire format)."""
+    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeIssue:
+    """A node under the job's pods that needs action: ``reason`` is NodeReplacement / NodeReboot (announced by
+    HyperPod) or NodeLost (gone, not Ready); ``pods`` are the job's pods on it."""
+
+    node: str
+    reason: Reason
+    message: str
+    pods: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PodIssue:
+    """A job pod that is no longer a healthy member of the attempt. ``role`` is ``head`` or ``worker``; ``reason`` is
+    one of PodFailed, PodDeleting, PodNotReady, PodReplaced, PodMissing (``pod`` is empty for PodMissing)."""
+
+    pod: str
+    node: str | None
+    role: str
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeHealth:
+    """Health of the nodes and pods under one job.
+
+    Attributes:
+        announced: nodes HyperPod labelled UnschedulablePendingReplacement / UnschedulablePendingReboot.
+        lost_nodes: nodes that are gone or not Ready (``Ready`` condition False/Unknown).
+        lost_pods: pods that failed, are being deleted, are not Ready, were (re)created after the attempt started, or
+            are missing (fewer pods than the spec asks for).
+        bad_pods: names of pods on nodes that must not run them (announced, HyperPod-unschedulable, not Ready,
+            cordoned or gone), not already being deleted: deleted during recovery so that KubeRay recreates them on
+            good nodes.
+        pods: number of the job's pods (not being deleted).
+        ready_pods: how many of them are Running and Ready.
+    """
+
+    announced: tuple[NodeIssue, ...] = ()
+    lost_nodes: tuple[NodeIssue, ...] = ()
+    lost_pods: tuple[PodIssue, ...] = ()
+    bad_pods: tuple[str, ...] = ()
+    pods: int = 0
+    ready_pods: int = 0
+
+    @property
+    def head_lost(self) -> bool:
+        """True when the head pod failed, is being deleted, is not Ready, went missing or was replaced during the
+        attempt (a new head is a new Ray cluster: the running Ray job is gone with the old one)."""
+        return any(p.role == "head" for p in self.lost_pods)
+
+    def first_issue(self) -> tuple[Reason, str | None, str] | None:
+        """The most important problem as ``(reason, node, message)``, or ``None`` when healthy.
+
+        Order: announced node (checkpoint first) > head lost > node lost > worker lost.
+        """
+        if self.announced:
+            i = self.announced[0]
+            return i.reason, i.node, i.message
+        if self.head_lost:
+            p = next(p for p in self.lost_pods if p.role == "head")
+            return Reason.HEAD_LOST, p.node, f"head pod {p.pod or '(missing)'}: {p.message}"
+        if self.lost_nodes:
+            i = self.lost_nodes[0]
+            return Reason.NODE_LOST, i.node, i.message
+        if self.lost_pods:
+            p = self.lost_pods[0]
+            return Reason.WORKER_LOST, p.node, f"worker pod {p.pod or '(missing)'}: {p.message}"
+        return None
+
+
+def _labels(body: Mapping[str, Any]) -> Mapping[str, str]:
+    return (body.get("metadata") or {}).get("labels") or {}
+
+
+def _condition(body: Mapping[str, Any], ctype: str) -> Mapping[str, Any] | None:
+    for c in (body.get("status") or {}).get("conditions") or []:
+        if c.get("type") == ctype:
+            return c
+    return None
+
+
+def node_ready(node: Mapping[str, Any]) -> bool:
+    """True when the Node's ``Ready`` condition is ``True``."""
+    c = _condition(node, "Ready")
+    return c is not None and c.get("status") == "True"
+
+
+def hyperpod_status(node: Mapping[str, Any]) -> str | None:
+    """The node's HyperPod health label value, or ``None`` when the label is absent (not a HyperPod node)."""
+    return _labels(node).get(api.HYPERPOD_HEALTH_LABEL)
+
+
+def node_schedulable(node: Mapping[str, Any], *, hyperpod: bool) -> bool:
+    """True when a new job pod may be placed there: Ready, not cordoned, and (``hyperpod``) labelled Schedulable
+    (or not labelled at all: a node outside HyperPod's management)."""
+    if not node_ready(node) or (node.get("spec") or {}).get("unschedulable"):
+        return False
+    if hyperpod:
+        value = hyperpod_status(node)
+        return value is None or value == NodeHealthStatus.SCHEDULABLE.value
+    return True
+
+
+def pod_role(pod: Mapping[str, Any]) -> str:
+    """``head`` or ``worker`` from KubeRay's ``ray.io/node-type`` label (unknown values count as worker)."""
+    return "head" if _labels(pod).get(api.RAY_NODE_TYPE_LABEL) == "head" else "worker"
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    """True when the Pod is Running and its ``Ready`` condition is ``True``."""
+    status = pod.get("status") or {}
+    c = _condition(pod, "Ready")
+    return status.get("phase") == "Running" and c is not None and c.get("status") == "True"
+
+
+def _terminated_reason(pod: Mapping[str, Any]) -> str:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        for key in ("state", "lastState"):
+            term = (cs.get(key) or {}).get("terminated")
+            if term:
+                return f"container {cs.get('name')} terminated: {term.get('reason') or 'exit ' + str(term.get('exitCode'))}"
+    return (pod.get("status") or {}).get("reason") or ""
+
+
+def node_health(
+    pods: Iterable[Mapping[str, Any]],
+    nodes: Mapping[str, Mapping[str, Any]],
+    *,
+    hyperpod: bool,
+    since: dt.datetime | None = None,
+    expected_pods: int | None = None,
+) -> NodeHealth:
+    """Summarise the health of one job's pods and the nodes under them.
+
+    Args:
+        pods: Pod bodies labelled with the job (``daedalus.dev/job``).
+        nodes: Node bodies by name (all nodes the operator knows; a pod's node missing here counts as lost).
+        hyperpod: read the HyperPod health label (``spec.resilience.hyperPod``).
+        since: start of the current attempt; pods created after it replaced a member of the attempt. ``None``
+            disables the check (no attempt running).
+        expected_pods: head + worker replicas the RayCluster asks for; fewer pods counts as missing.
+
+    Returns:
+        The :class:`NodeHealth`; issues are sorted by node and pod name so the result is deterministic.
+    """
+    pods = sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", ""))
+    by_node: dict[str, list[str]] = {}
+    lost_pods: list[PodIssue] = []
+    bad_pods: list[str] = []
+    live = 0
+    ready = 0
+    roles_present: dict[str, int] = {"head": 0, "worker": 0}
+    deleting: set[str] = set()
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        name = meta.get("name", "")
+        node = (pod.get("spec") or {}).get("nodeName")
+        role = pod_role(pod)
+        phase = (pod.get("status") or {}).get("phase")
+        if node:
+            by_node.setdefault(node, []).append(name)
+        if meta.get("deletionTimestamp"):
+            lost_pods.append(PodIssue(name, node, role, "PodDeleting", "being deleted"))
+            deleting.add(name)
+            continue
+        live += 1
+        roles_present[role] += 1
+        if phase in ("Failed", "Succeeded"):
+            lost_pods.append(PodIssue(name, node, role, "PodFailed",
+                                      f"phase {phase}" + (f", {_terminated_reason(pod)}" if _terminated_reason(pod) else "")))
+            bad_pods.append(name)
+            continue
+        is_ready = pod_ready(pod)
+        ready += is_ready
+        created = parse_time(meta.get("creationTimestamp"))
+        if since is not None and created is not None and created > since:
+            lost_pods.append(PodIssue(name, node, role, "PodReplaced",
+                                      f"created {format_time(created)} after the attempt started {format_time(since)}"))
+        elif since is not None and not is_ready:
+            lost_pods.append(PodIssue(name, node, role, "PodNotReady", f"phase {phase or 'Unknown'}, not Ready"))
+
+    announced: list[NodeIssue] = []
+    lost_nodes: list[NodeIssue] = []
+    for node_name in sorted(by_node):
+        on_node = tuple(by_node[node_name])
+        node = nodes.get(node_name)
+        if node is None:
+            lost_nodes.append(NodeIssue(node_name, Reason.NODE_LOST, f"node {node_name} no longer exists", on_node))
+            bad_pods.extend(on_node)
+            continue
+        label = hyperpod_status(node) if hyperpod else None
+        if label in ANNOUNCED:
+            announced.append(NodeIssue(node_name, ANNOUNCED[label], f"node {node_name} is {label}", on_node))
+        elif not node_ready(node):
+            c = _condition(node, "Ready")
+            state = c.get("status") if c else "missing"
+            lost_nodes.append(NodeIssue(node_name, Reason.NODE_LOST, f"node {node_name} Ready={state}", on_node))
+        if not node_schedulable(node, hyperpod=hyperpod):
+            bad_pods.extend(on_node)
+
+    if expected_pods is not None and since is not None:
+        if roles_present["head"] == 0:
+            lost_pods.append(PodIssue("", None, "head", "PodMissing", "no head pod"))
+        missing_workers = expected_pods - 1 - roles_present["worker"]
+        for _ in range(max(0, missing_workers)):
+            lost_pods.append(PodIssue("", None, "worker", "PodMissing", "fewer worker pods than the spec asks for"))
+
+    return NodeHealth(
+        announced=tuple(announced),
+        lost_nodes=tuple(lost_nodes),
+        lost_pods=tuple(lost_pods),
+        bad_pods=tuple(sorted(set(bad_pods) - deleting)),
+        pods=live,
+        ready_pods=ready,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ RayCluster
+@dataclasses.dataclass(frozen=True)
+class ClusterState:
+    """What the operator needs from its RayCluster.
+
+    Attributes:
+        exists: the object exists (possibly being deleted).
+        ready: KubeRay reports it ready (``status.state == "ready"``, or both HeadPodReady and
+            RayClusterProvisioned conditions True) and a head address is known.
+        deleting: ``metadata.deletionTimestamp`` is set.
+        head_host: ``status.head.serviceIP``, else ``status.head.podIP``, else the head Service's cluster DNS name.
+        dashboard_port / control_port: from ``status.endpoints`` (KubeRay copies the head Service's ports there),
+            defaulting to 8265 / 9400.
+        state: KubeRay's ``status.state`` (``ready``, ``suspended``, ...), empty when absent.
+        message: ``status.reason`` or the message of a False condition, for humans.
+    """
+
+    exists: bool = False
+    ready: bool = False
+    deleting: bool = False
+    head_host: str | None = None
+    dashboard_port: int = api.DASHBOARD_PORT
+    control_port: int = api.CONTROL_PORT
+    state: str = ""
+    message: str = ""
+
+    @property
+    def dashboard_url(self) -> str | None:
+        """``http://<head>:<dashboard port>`` (the Ray job submission REST API), or ``None`` without a head."""
+        return f"http://{self.head_host}:{self.dashboard_port}" if self.head_host else None
+
+    @property
+    def control_url(self) -> str | None:
+        """``http://<head>:<control port>`` (the trainer's /status and /checkpoint), or ``None`` without a head."""
+        return f"http://{self.head_host}:{self.control_port}" if self.head_host else None
+
+
+def _port(endpoints: Mapping[str, Any], name: str, default: int) -> int:
+    try:
+        return int(endpoints.get(name, default))
+    except (TypeError, ValueError):
+        return default
+
+
+def read_cluster(body: Mapping[str, Any] | None, *, control_port: int = api.CONTROL_PORT) -> ClusterState:
+    """Read a RayCluster body (``None`` when it does not exist) into a :class:`ClusterState`.
+
+    ``control_port`` is the port the operator asked the trainer to serve on; ``status.endpoints`` wins when it lists
+    the ``daedalus-metrics`` port.
+    """
+    if body is None:
+        return ClusterState(exists=False, control_port=control_port)
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    head = status.get("head") or {}
+    endpoints = status.get("endpoints") or {}
+    conds = {c.get("type"): c for c in status.get("conditions") or []}
+    by_conditions = all((conds.get(t) or {}).get("status") == "True" for t in ("HeadPodReady", "RayClusterProvisioned"))
+    state = status.get("state") or ""
+    host = head.get("serviceIP") or head.get("podIP")
+    if not host and meta.get("name") and meta.get("namespace") and (state == "ready" or by_conditions):
+        host = f"{api.head_service_name(meta['name'])}.{meta['namespace']}.svc"
+    false_msgs = [f"{t}: {c.get('message') or c.get('reason')}" for t, c in conds.items() if c.get("status") != "True"]
+    return ClusterState(
+        exists=True,
+        ready=bool((state == "ready" or by_conditions) and host) and not meta.get("deletionTimestamp"),
+        deleting=bool(meta.get("deletionTimestamp")),
+        head_host=host or None,
+        dashboard_port=_port(endpoints, api.DASHBOARD_PORT_NAME, api.DASHBOARD_PORT),
+        control_port=_port(endpoints, api.CONTROL_PORT_NAME, control_port),
+        state=state,
+        message=status.get("reason") or "; ".join(false_msgs),
+    )

@@ -1,0 +1,758 @@
+"""The planning core: ``plan(job, observed, now) -> Plan``. Pure: no I/O, no clock, no randomness.
+
+Given the job (spec, metadata, the status the operator wrote last time) and what the handlers observed (the
+RayCluster, the Ray job of the current attempt, the trainer's ``/status``, the health of the nodes under the job's
+pods, the state of an in-flight checkpoint request), it returns the next phase, the actions to execute, the status
+fields to record, the events to post and when to look again.
+
+The loop is a flat switch over the phase (KubeRay's ``rayjob_controller.go`` habit); everything that must survive an
+operator restart is in the status the planner reads back, so a restarted operator continues where the last one
+stopped (one table row per phase tests exactly that).
+
+Lifecycle (DESIGN.md §3)::
+
+    Pending -> Provisioning -> Running -> Succeeded
+                    ^             |  \\
+                    |             |   Checkpointing (announced node replacement/reboot, hang, suspend)
+                    |             v  /
+                    +------- Recovering -> Failed (maxRestarts exhausted)
+                                  \\-> Suspended (spec.suspend) -> Provisioning (suspend: false)
+
+Failure handling, in DESIGN order:
+
+1. HyperPod labels a node under the job ``UnschedulablePendingReplacement`` / ``UnschedulablePendingReboot``: request an
+   immediate checkpoint (bounded by ``checkpointTimeoutSeconds``), stop the Ray job, delete the job's pods on nodes
+   that must not run them (KubeRay recreates them; node affinity keeps them on ``Schedulable`` nodes), resubmit the
+   next attempt with ``--resume latest`` once the cluster is ready again. No restart backoff: it is planned.
+2. A worker pod or node is lost, or the Ray job fails/stops on its own: classify (node and pod evidence first, then the
+   Ray job's message), stop what is left, resubmit with resume after an exponential backoff
+   (``restartBackoffSeconds * 2**(failures-1)``, capped at 600 s) on the same RayCluster.
+3. The head is lost (head pod gone, the Ray job unknown to the head, the dashboard unreachable for longer than
+   ``unreachable_grace``): wait for KubeRay's new head (or recreate a deleted RayCluster), resubmit with resume.
+4. Every resubmission counts against ``maxRestarts``; past it the job is Failed (RestartLimitExceeded).
+   No step progress for ``progressDeadlineSeconds`` counts as hung: checkpoint if possible, then restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import enum
+import re
+from typing import Any
+
+from daedalus_trainer.config import (
+    CheckpointRef,
+    FailureInfo,
+    RecoveryInfo,
+    RecoveryRecord,
+    RLTrainingJobSpec,
+    RLTrainingJobStatus,
+)
+
+from daedalus_operator import api
+from daedalus_operator.api import EventType, Phase, Reason
+from daedalus_operator.nodes import ClusterState, NodeHealth, format_time, parse_time
+
+#: Backoff cap (ResilienceSpec.restart_backoff_seconds doc: "capped at 10 minutes").
+MAX_BACKOFF_SECONDS = 600.0
+
+#: Ray job messages that point at infrastructure rather than the application (Ray's exception names and messages of
+#: ray.exceptions: NodeDiedError, RayletDiedError, OwnerDiedError, WorkerCrashedError, ActorDiedError; SIGKILL'd
+#: entrypoints report exit code -9 / 137 (OOM killer, node shutdown)).
+INFRASTRUCTURE_PATTERNS = re.compile(
+    r"NodeDiedError|node .* (died|dead)|marked dead|RayletDied|raylet died|OwnerDiedError|WorkerCrashedError"
+    r"|ActorDiedError|actor died unexpectedly|ObjectLostError|job supervisor actor died|exit code -9|exit code 137"
+    r"|killed by signal|SIGKILL|connection to the head|GCS",
+    re.IGNORECASE,
+)
+
+
+class RayJobState(str, enum.Enum):
+    """The Ray job of the current attempt as seen through the dashboard (ray.job_submission.JobStatus plus two
+    operator-side states)."""
+
+    NOT_FOUND = "NOT_FOUND"  # the head does not know the submission id
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+    UNREACHABLE = "UNREACHABLE"  # no head address, or the dashboard did not answer
+
+    @property
+    def active(self) -> bool:
+        """PENDING or RUNNING."""
+        return self in (RayJobState.PENDING, RayJobState.RUNNING)
+
+    @property
+    def ended(self) -> bool:
+        """SUCCEEDED, FAILED or STOPPED."""
+        return self in (RayJobState.SUCCEEDED, RayJobState.FAILED, RayJobState.STOPPED)
+
+
+@dataclasses.dataclass(frozen=True)
+class RayJobObservation:
+    """``state`` of the Ray job ``status.submissionId`` and its ``message`` (Ray's JobDetails.message or the
+    connection error)."""
+
+    state: RayJobState = RayJobState.NOT_FOUND
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerObservation:
+    """The trainer's ``GET /status`` (port 9400 on the head), or ``reachable=False``.
+
+    ``step`` is the latest completed GRPO step; ``latest_checkpoint`` is ``{step, path, time}``.
+    """
+
+    reachable: bool = False
+    step: int | None = None
+    total_steps: int | None = None
+    phase: str | None = None
+    latest_checkpoint: dict[str, Any] | None = None
+    success_ratio: float | None = None
+    reward_mean: float | None = None
+    adapter_path: str | None = None
+    attempt: int | None = None
+
+    @classmethod
+    def from_status(cls, doc: dict[str, Any]) -> "TrainerObservation":
+        """Build from the JSON document of ``GET /status`` (unknown keys ignored, missing ones ``None``)."""
+        ckpt = doc.get("latestCheckpoint")
+        return cls(
+            reachable=True,
+            step=_int_or_none(doc.get("step")),
+            total_steps=_int_or_none(doc.get("totalSteps")),
+            phase=doc.get("phase"),
+            latest_checkpoint=ckpt if isinstance(ckpt, dict) and ckpt.get("step") is not None else None,
+            success_ratio=doc.get("successRatio"),
+            reward_mean=doc.get("rewardMean"),
+            adapter_path=doc.get("adapterPath"),
+            attempt=_int_or_none(doc.get("attempt")),
+        )
+
+    @property
+    def checkpoint_step(self) -> int | None:
+        """Step of the latest checkpoint the trainer reports, if any."""
+        return _int_or_none((self.latest_checkpoint or {}).get("step"))
+
+
+def _int_or_none(v: Any) -> int | None:
+    try:
+        return None if v is None else int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointCall:
+    """The operator's ``POST /checkpoint`` for the current attempt: ``in_flight`` while waiting, then ``step``/``path``
+    of the written checkpoint or ``error``."""
+
+    in_flight: bool = False
+    step: int | None = None
+    path: str | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """Everything the handlers gathered for one job."""
+
+    cluster: ClusterState = ClusterState()
+    ray_job: RayJobObservation = RayJobObservation()
+    trainer: TrainerObservation = TrainerObservation()
+    health: NodeHealth = NodeHealth()
+    checkpoint_call: CheckpointCall = CheckpointCall()
+    serving_exists: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    """The RLTrainingJob as the planner sees it: identity, the validated spec (``None`` when invalid, with
+    ``spec_errors`` as ``(field path, message)`` pairs) and the last written status."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: RLTrainingJobSpec | None
+    status: RLTrainingJobStatus
+    spec_errors: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def expected_pods(self) -> int:
+        """Head + all worker replicas of the spec (0 when the spec is invalid)."""
+        if self.spec is None:
+            return 0
+        return 1 + sum(g.replicas for g in self.spec.cluster.worker_groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Operator timing knobs (seconds): ``poll`` between looks while a job is active; ``unreachable_grace`` before an
+    unanswering dashboard counts as a lost head."""
+
+    poll: float = 2.0
+    unreachable_grace: float = 60.0
+
+
+# ------------------------------------------------------------------------------------------------ actions
+@dataclasses.dataclass(frozen=True)
+class EnsureChildren:
+    """Create what is missing of ConfigMap, Secret, NetworkPolicy and RayCluster; bring the ConfigMap up to date."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeleteCluster:
+    """Delete the RayCluster (suspend, terminal phases)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Submit:
+    """Submit the Ray job ``submission_id`` (attempt ``attempt``); an existing id means already submitted."""
+
+    submission_id: str
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestCheckpoint:
+    """``POST /checkpoint`` to the trainer of ``submission_id`` (in the background; the result is observed later)."""
+
+    submission_id: str
+    target_step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StopJob:
+    """Ask Ray to stop the job ``submission_id`` (idempotent)."""
+
+    submission_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DeletePods:
+    """Delete these pods of the job (on nodes that must not run them); KubeRay recreates them elsewhere."""
+
+    names: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class EnsureServing:
+    """Create the RayService serving the exported adapter if it does not exist."""
+
+    adapter_path: str
+
+
+Action = EnsureChildren | DeleteCluster | Submit | RequestCheckpoint | StopJob | DeletePods | EnsureServing
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event to post on the RLTrainingJob."""
+
+    type: EventType
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass
+class Plan:
+    """The planner's decision.
+
+    Attributes:
+        phase: the next phase.
+        actions: to execute in order, after the status was written.
+        status: RLTrainingJobStatus fields (snake_case) to set; ``None`` clears a field.
+        events: to post.
+        requeue_after: look again after this many seconds (0: at once; ``None``: only on the next event/timer).
+        restart_reason: set when this plan resubmits after a failure (metric ``daedalus_operator_restarts_total``).
+        recovered: set when a recovery completed in this plan (metric ``daedalus_operator_recovery_seconds``).
+    """
+
+    phase: Phase
+    actions: list[Action] = dataclasses.field(default_factory=list)
+    status: dict[str, Any] = dataclasses.field(default_factory=dict)
+    events: list[Event] = dataclasses.field(default_factory=list)
+    requeue_after: float | None = None
+    restart_reason: str | None = None
+    recovered: RecoveryRecord | None = None
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def backoff_seconds(base: float, failures: int) -> float:
+    """Exponential restart backoff: ``base * 2**(failures-1)`` for ``failures >= 1``, capped at 600 s; 0 for none."""
+    if failures <= 0 or base <= 0:
+        return 0.0
+    return min(MAX_BACKOFF_SECONDS, base * 2 ** min(failures - 1, 30))
+
+
+def classify_failure(ray_job: RayJobObservation, health: NodeHealth) -> tuple[Reason, str | None, str]:
+    """Why did the Ray job end without success? ``(reason, node, message)``.
+
+    Evidence in order: node/pod health under the job (an announced or lost node, a lost head or worker), then a
+    STOPPED job nobody asked to stop (JobStopped), then Ray's message matched against
+    :data:`INFRASTRUCTURE_PATTERNS` (JobFailed), else ApplicationError.
+    """
+    issue = health.first_issue()
+    detail = f"Ray job {ray_job.state.value}: {ray_job.message}".strip().rstrip(":")
+    if issue is not None:
+        reason, node, message = issue
+        return reason, node, f"{message}; {detail}"
+    if ray_job.state == RayJobState.STOPPED:
+        return Reason.JOB_STOPPED, None, detail
+    if ray_job.state == RayJobState.NOT_FOUND:
+        return Reason.HEAD_LOST, None, "the head no longer knows the submitted Ray job (new head?)"
+    if INFRASTRUCTURE_PATTERNS.search(ray_job.message or ""):
+        return Reason.JOB_FAILED, None, detail
+    return Reason.APPLICATION_ERROR, None, detail
+
+
+class _Builder:
+    """Accumulates one plan; the phase handlers below read like the lifecycle."""
+
+    def __init__(self, job: JobView, observed: Observed, now: dt.datetime, timing: Timing):
+        self.job = job
+        self.spec = job.spec
+        self.st = job.status
+        self.o = observed
+        self.now = now
+        self.timing = timing
+        self.plan = Plan(phase=job.status.phase or Phase.PENDING)
+
+    # -- primitives
+    def set(self, **fields: Any) -> None:
+        self.plan.status.update(fields)
+
+    def get(self, field: str) -> Any:
+        """The status field as this plan leaves it."""
+        if field in self.plan.status:
+            return self.plan.status[field]
+        return getattr(self.st, field)
+
+    def act(self, action: Action) -> None:
+        self.plan.actions.append(action)
+
+    def event(self, reason: str | Reason, message: str, type: EventType = EventType.NORMAL) -> None:
+        self.plan.events.append(Event(type, str(reason.value if isinstance(reason, Reason) else reason), message))
+
+    def requeue(self, seconds: float | None = None) -> Plan:
+        seconds = self.timing.poll if seconds is None else max(0.0, seconds)
+        cur = self.plan.requeue_after
+        self.plan.requeue_after = seconds if cur is None else min(cur, seconds)
+        return self.plan
+
+    def done(self) -> Plan:
+        return self.plan
+
+    def to(self, phase: Phase, reason: Reason, message: str, type: EventType = EventType.NORMAL) -> None:
+        """Move to ``phase``; an event is posted when the phase changes."""
+        if phase != self.st.phase:
+            self.event(reason, message, type)
+        self.plan.phase = phase
+
+    def now_s(self) -> str:
+        return format_time(self.now)
+
+    def seconds_since(self, stamp: str | None) -> float | None:
+        t = parse_time(stamp)
+        return None if t is None else (self.now - t).total_seconds()
+
+    def recovery(self) -> RecoveryInfo:
+        rec = self.get("recovery")
+        return rec.model_copy() if rec is not None else RecoveryInfo(reason="Unknown", detected_at=self.now_s())
+
+    def reported_step(self) -> int:
+        """Latest completed step: the trainer's answer when it has one, else the last recorded one."""
+        t = self.o.trainer
+        if t.reachable and t.step is not None and t.attempt in (None, 0, self.st.attempt):
+            return t.step
+        return self.st.current_step
+
+    # -- composite steps
+    def submit_next(self, *, after_failure: bool) -> Plan:
+        """Submit attempt N+1: record the decision (attempt, id) in status first, then submit (KubeRay habit: the name
+        is in status before the object exists, so a retry cannot create a second one)."""
+        attempt = self.st.attempt + 1
+        sid = api.submission_id(self.job.name, self.job.uid, attempt)
+        self.set(
+            attempt=attempt,
+            submission_id=sid,
+            submission_confirmed=False,
+            attempt_start_time=self.now_s(),
+            last_progress_time=self.now_s(),
+            unreachable_since=None,
+        )
+        if self.st.start_time is None:
+            self.set(start_time=self.now_s())
+        latest = self.get("latest_checkpoint")
+        resume = latest.step if latest else 0
+        if self.get("recovery") is not None:
+            rec = self.recovery()
+            rec.resubmitted_at = self.now_s()
+            rec.resume_step = resume
+            self.set(recovery=rec)
+        self.act(EnsureChildren())
+        self.act(Submit(sid, attempt))
+        if after_failure:
+            self.set(restarts=self.st.restarts + 1)
+            self.plan.restart_reason = self.recovery().reason
+            self.to(Phase.RUNNING, Reason.RESUBMITTED,
+                    f"attempt {attempt} ({sid}) submitted, resuming from the checkpoint at step {resume}")
+        else:
+            self.to(Phase.RUNNING, Reason.SUBMITTED, f"attempt {attempt} ({sid}) submitted"
+                    + (f", resuming from the checkpoint at step {resume}" if resume else ""))
+        return self.requeue()
+
+    def detected(self, reason: Reason, node: str | None, message: str, *, checkpoint: bool, job_active: bool) -> Plan:
+        """A cause to stop the current attempt was detected: record it, then checkpoint (when wanted and possible) or
+        stop; when the job already ended, go straight to Recovering (or Failed past maxRestarts)."""
+        assert self.spec is not None
+        step = self.reported_step()
+        rec = RecoveryInfo(reason=reason.value, node=node, message=message, detected_at=self.now_s(),
+                           step_at_detection=step)
+        planned = reason in api.PLANNED_REASONS
+        failures = self.st.consecutive_failures + (0 if planned else 1)
+        wait = 0.0 if planned else backoff_seconds(self.spec.resilience.restart_backoff_seconds, failures)
+        if wait:
+            rec.not_before = format_time(self.now + dt.timedelta(seconds=wait))
+        self.set(recovery=rec, consecutive_failures=failures, unreachable_since=None)
+        if reason != Reason.SUSPEND:
+            self.set(last_failure=FailureInfo(reason=reason.value, node=node, message=message[:1024],
+                                              time=self.now_s()))
+        warn = EventType.NORMAL if planned else EventType.WARNING
+        if not job_active and reason != Reason.SUSPEND and self.st.restarts >= self.spec.resilience.max_restarts:
+            return self.fail(Reason.RESTART_LIMIT,
+                             f"{reason.value}: {message} (restarts {self.st.restarts} >= maxRestarts "
+                             f"{self.spec.resilience.max_restarts})")
+        sid = self.st.submission_id or ""
+        if checkpoint and job_active and self.o.trainer.reachable:
+            rec.checkpoint_requested_at = self.now_s()
+            rec.checkpoint_target_step = step
+            self.set(recovery=rec)
+            self.act(RequestCheckpoint(sid, step))
+            self.to(Phase.CHECKPOINTING, reason, f"{message}: checkpoint requested at step {step}", warn)
+            return self.requeue()
+        if job_active:
+            rec.stop_requested_at = self.now_s()
+            self.set(recovery=rec)
+            self.act(StopJob(sid))
+        self.to(Phase.RECOVERING, reason, message + ("" if job_active else " (the Ray job has ended)"), warn)
+        return self.requeue(0 if not job_active else None)
+
+    def fail(self, reason: Reason, message: str) -> Plan:
+        """Terminal failure: record it, free the RayCluster."""
+        last = self.get("last_failure")
+        self.set(completion_time=self.now_s(), recovery=None,
+                 last_failure=FailureInfo(reason=reason.value, node=last.node if last else None,
+                                          message=message[:1024], time=self.now_s()))
+        if self.o.cluster.exists and not self.o.cluster.deleting:
+            self.act(DeleteCluster())
+        self.to(Phase.FAILED, reason, message, EventType.WARNING)
+        return self.done()
+
+    def succeed(self) -> Plan:
+        assert self.spec is not None
+        adapter = self.o.trainer.adapter_path if self.o.trainer.reachable and self.o.trainer.adapter_path else (
+            self.st.adapter_path or api.adapter_export_path(self.spec.checkpoint.path, self.job.namespace,
+                                                            self.job.name))
+        self.set(completion_time=self.now_s(), adapter_path=adapter, recovery=None, unreachable_since=None)
+        if self.o.cluster.exists and not self.o.cluster.deleting:
+            self.act(DeleteCluster())
+        self.to(Phase.SUCCEEDED, Reason.SUCCEEDED, f"training finished; adapter exported to {adapter}")
+        if self.spec.serving.enabled and not self.o.serving_exists:
+            self.set(serving_name=api.rayservice_name(self.job.name))
+            self.act(EnsureServing(adapter))
+        return self.done()
+
+    def progress(self) -> None:
+        """While the Ray job runs: progress time, and the end of a recovery (the new attempt stepped past the step it
+        resumed from)."""
+        t = self.o.trainer
+        if not t.reachable or t.step is None:
+            return
+        if t.attempt not in (None, 0) and t.attempt != self.st.attempt:
+            return  # a previous attempt's trainer answering (should not happen once stopped)
+        if self.st.last_progress_time is None or t.step > self.st.current_step:
+            self.set(last_progress_time=self.now_s())
+        rec = self.st.recovery
+        if rec is not None and rec.resubmitted_at is not None and t.step > (rec.resume_step or 0):
+            detected = parse_time(rec.detected_at) or self.now
+            resumed = rec.resume_step or 0
+            record = RecoveryRecord(
+                reason=rec.reason, detected_at=rec.detected_at, recovered_at=self.now_s(),
+                seconds=round((self.now - detected).total_seconds(), 3),
+                step_at_detection=rec.step_at_detection, resumed_from_step=resumed,
+                lost_steps=max(0, rec.step_at_detection - resumed),
+            )
+            self.set(recovery=None, last_recovery=record, consecutive_failures=0)
+            self.plan.recovered = record
+            self.event(Reason.RECOVERED, f"{rec.reason}: stepping again at step {t.step} after "
+                       f"{record.seconds:.0f} s; resumed from step {resumed}, {record.lost_steps} step(s) lost")
+
+
+# ------------------------------------------------------------------------------------------------ phases
+def _invalid(b: _Builder) -> Plan:
+    msg = "; ".join(f"{p}: {m}" for p, m in b.job.spec_errors) or "invalid spec"
+    last = b.st.last_failure
+    if not (b.st.phase == Phase.FAILED and last is not None and last.reason == Reason.INVALID_SPEC.value
+            and last.message == msg[:1024]):
+        b.set(last_failure=FailureInfo(reason=Reason.INVALID_SPEC.value, message=msg[:1024], time=b.now_s()))
+        if b.st.phase == Phase.FAILED:
+            b.event(Reason.INVALID_SPEC, msg, EventType.WARNING)
+    b.to(Phase.FAILED, Reason.INVALID_SPEC, msg, EventType.WARNING)
+    return b.done()
+
+
+def _pending(b: _Builder) -> Plan:
+    assert b.spec is not None
+    b.set(ray_cluster_name=api.raycluster_name(b.job.name))
+    if b.spec.suspend:
+        b.to(Phase.SUSPENDED, Reason.SUSPENDED, "created suspended (spec.suspend is true)")
+        return b.done()
+    b.act(EnsureChildren())
+    b.to(Phase.PROVISIONING, Reason.PROVISIONING, f"creating RayCluster {api.raycluster_name(b.job.name)}")
+    return b.requeue(0)
+
+
+def _cluster_usable(b: _Builder) -> bool:
+    """Cluster ready per KubeRay and every expected pod present, Ready and on a node that may run it."""
+    h = b.o.health
+    return (b.o.cluster.ready and h.pods >= b.job.expected_pods and h.ready_pods >= h.pods
+            and not h.bad_pods and not h.announced)
+
+
+def _provisioning(b: _Builder) -> Plan:
+    assert b.spec is not None
+    c = b.o.cluster
+    if b.spec.suspend:
+        if c.exists and not c.deleting:
+            b.act(DeleteCluster())
+        b.to(Phase.SUSPENDED, Reason.SUSPENDED, "suspended before the first submission")
+        return b.done()
+    b.set(ray_cluster_name=api.raycluster_name(b.job.name))
+    if not c.exists:
+        b.act(EnsureChildren())
+        return b.requeue()
+    if c.deleting:
+        return b.requeue()  # an old cluster (suspend/resume) still going away
+    if b.o.health.bad_pods:
+        b.act(DeletePods(b.o.health.bad_pods))
+        return b.requeue()
+    if not _cluster_usable(b):
+        return b.requeue()
+    return b.submit_next(after_failure=False)
+
+
+def _running(b: _Builder) -> Plan:
+    assert b.spec is not None
+    st, o = b.st, b.o
+    j = o.ray_job
+    c = o.cluster
+    sid = st.submission_id or ""
+
+    if not st.submission_confirmed:
+        if j.state == RayJobState.NOT_FOUND:
+            # Decided and recorded, but the head does not know it: the submit failed or never ran (operator restart).
+            if c.ready:
+                b.act(EnsureChildren())
+                b.act(Submit(sid, st.attempt))
+            elif not c.exists:
+                b.act(EnsureChildren())
+            return b.requeue()
+        if j.state == RayJobState.UNREACHABLE and c.exists and not c.deleting:
+            since = st.unreachable_since or b.now_s()
+            b.set(unreachable_since=since)
+            if (b.seconds_since(since) or 0) <= b.timing.unreachable_grace:
+                return b.requeue()
+        if j.state != RayJobState.UNREACHABLE:
+            b.set(submission_confirmed=True)
+
+    if j.state == RayJobState.SUCCEEDED:
+        return b.succeed()
+    if j.state in (RayJobState.FAILED, RayJobState.STOPPED, RayJobState.NOT_FOUND):
+        reason, node, message = classify_failure(j, o.health)
+        return b.detected(reason, node, message, checkpoint=False, job_active=False)
+    if j.state == RayJobState.UNREACHABLE:
+        if not c.exists or c.deleting:
+            return b.detected(Reason.CLUSTER_LOST, None, f"RayCluster {st.ray_cluster_name} is gone",
+                              checkpoint=False, job_active=False)
+        if o.health.head_lost:
+            reason, node, message = o.health.first_issue() or (Reason.HEAD_LOST, None, "head lost")
+            return b.detected(Reason.HEAD_LOST, node, message, checkpoint=False, job_active=False)
+        since = b.get("unreachable_since") or b.now_s()
+        b.set(unreachable_since=since)
+        waited = b.seconds_since(since) or 0.0
+        if waited > b.timing.unreachable_grace:
+            return b.detected(Reason.HEAD_LOST, None,
+                              f"Ray dashboard unreachable for {waited:.0f} s: {j.message}",
+                              checkpoint=False, job_active=False)
+        return b.requeue()
+    if st.unreachable_since is not None:
+        b.set(unreachable_since=None)
+
+    # The Ray job is PENDING or RUNNING.
+    b.progress()
+    if b.spec.suspend:
+        return b.detected(Reason.SUSPEND, None, "spec.suspend is true", checkpoint=True, job_active=True)
+    issue = o.health.first_issue()
+    if issue is not None:
+        reason, node, message = issue
+        wants = reason in (Reason.NODE_REPLACEMENT, Reason.NODE_REBOOT) and b.spec.resilience.checkpoint_on_node_warning
+        return b.detected(reason, node, message, checkpoint=wants, job_active=True)
+    idle = b.seconds_since(b.get("last_progress_time"))
+    deadline = b.spec.resilience.progress_deadline_seconds
+    if idle is not None and idle > deadline:
+        return b.detected(Reason.HUNG, None, f"no step progress for {idle:.0f} s (progressDeadlineSeconds "
+                          f"{deadline}) at step {b.reported_step()}", checkpoint=True, job_active=True)
+    return b.requeue()
+
+
+def _checkpointing(b: _Builder) -> Plan:
+    assert b.spec is not None
+    st, o = b.st, b.o
+    j = o.ray_job
+    rec = b.recovery()
+    if j.state == RayJobState.SUCCEEDED:
+        return b.succeed()
+    target = rec.checkpoint_target_step or 0
+    steps = [s for s in (o.trainer.checkpoint_step if o.trainer.reachable else None, o.checkpoint_call.step)
+             if s is not None]
+    done = max(steps) if steps else None
+    if not j.state.active:
+        rec.stop_requested_at = rec.stop_requested_at or b.now_s()
+        b.set(recovery=rec)
+        b.to(Phase.RECOVERING, Reason.RECOVERING,
+             f"the Ray job ended ({j.state.value}) before the checkpoint was written")
+        return b.requeue(0)
+    waited = b.seconds_since(rec.checkpoint_requested_at) or 0.0
+    timeout = b.spec.resilience.checkpoint_timeout_seconds
+    if done is not None and done >= target:
+        path = o.checkpoint_call.path if o.checkpoint_call.step == done else (
+            (o.trainer.latest_checkpoint or {}).get("path"))
+        if st.latest_checkpoint is None or st.latest_checkpoint.step < done:
+            b.set(latest_checkpoint=CheckpointRef(step=done, path=path or "",
+                                                  time=(o.trainer.latest_checkpoint or {}).get("time")))
+        b.event("CheckpointTaken", f"checkpoint at step {done} written ({path}); stopping attempt {st.attempt}")
+    elif o.checkpoint_call.error:
+        b.event("CheckpointFailed", f"checkpoint request failed: {o.checkpoint_call.error}; stopping anyway",
+                EventType.WARNING)
+    elif waited > timeout:
+        b.event(Reason.CHECKPOINT_TIMEOUT, f"no checkpoint at step >= {target} after {waited:.0f} s "
+                f"(checkpointTimeoutSeconds {timeout}); stopping anyway", EventType.WARNING)
+    else:
+        if not o.checkpoint_call.in_flight and o.trainer.reachable:
+            b.act(RequestCheckpoint(st.submission_id or "", target))  # after an operator restart: ask again
+        return b.requeue(min(b.timing.poll, max(0.0, timeout - waited)))
+    rec.stop_requested_at = b.now_s()
+    b.set(recovery=rec)
+    b.act(StopJob(st.submission_id or ""))
+    b.to(Phase.RECOVERING, Reason.RECOVERING, f"stopping attempt {st.attempt} ({rec.reason})")
+    return b.requeue()
+
+
+def _recovering(b: _Builder) -> Plan:
+    assert b.spec is not None
+    st, o = b.st, b.o
+    j = o.ray_job
+    c = o.cluster
+    rec = b.recovery()
+    if j.state.active:
+        b.act(StopJob(st.submission_id or ""))  # idempotent; repeated after an operator restart
+        if rec.stop_requested_at is None:
+            rec.stop_requested_at = b.now_s()
+            b.set(recovery=rec)
+        return b.requeue()
+    if rec.reason == Reason.SUSPEND.value or b.spec.suspend:
+        if c.exists and not c.deleting:
+            b.act(DeleteCluster())
+        b.set(recovery=None)
+        b.to(Phase.SUSPENDED, Reason.SUSPENDED,
+             f"suspended at step {b.get('current_step')}; latest checkpoint step "
+             f"{st.latest_checkpoint.step if st.latest_checkpoint else 0}")
+        return b.done()
+    if st.restarts >= b.spec.resilience.max_restarts:
+        return b.fail(Reason.RESTART_LIMIT, f"{rec.reason}: {rec.message} (restarts {st.restarts} >= maxRestarts "
+                      f"{b.spec.resilience.max_restarts})")
+    if o.health.bad_pods and c.exists and not c.deleting:
+        b.act(DeletePods(o.health.bad_pods))
+        return b.requeue()
+    wait = b.seconds_since(rec.not_before)
+    if wait is not None and wait < 0:
+        return b.requeue(-wait)
+    if not c.exists:
+        b.act(EnsureChildren())
+        return b.requeue()
+    if c.deleting or not _cluster_usable(b):
+        return b.requeue()
+    return b.submit_next(after_failure=True)
+
+
+def _suspended(b: _Builder) -> Plan:
+    assert b.spec is not None
+    c = b.o.cluster
+    if b.spec.suspend:
+        if c.exists and not c.deleting:
+            b.act(DeleteCluster())
+        return b.done()
+    b.act(EnsureChildren())
+    b.to(Phase.PROVISIONING, Reason.RESUMED, "spec.suspend is false: recreating the RayCluster to resume")
+    return b.requeue(0)
+
+
+def _succeeded(b: _Builder) -> Plan:
+    assert b.spec is not None
+    if b.o.cluster.exists and not b.o.cluster.deleting:
+        b.act(DeleteCluster())
+    if b.spec.serving.enabled and not b.o.serving_exists:
+        adapter = b.st.adapter_path or api.adapter_export_path(b.spec.checkpoint.path, b.job.namespace, b.job.name)
+        b.set(serving_name=api.rayservice_name(b.job.name))
+        b.act(EnsureServing(adapter))
+    return b.done()
+
+
+def _failed(b: _Builder) -> Plan:
+    if b.o.cluster.exists and not b.o.cluster.deleting:
+        b.act(DeleteCluster())
+    return b.done()
+
+
+_PHASES = {
+    Phase.PENDING: _pending,
+    Phase.PROVISIONING: _provisioning,
+    Phase.RUNNING: _running,
+    Phase.CHECKPOINTING: _checkpointing,
+    Phase.RECOVERING: _recovering,
+    Phase.SUSPENDED: _suspended,
+    Phase.SUCCEEDED: _succeeded,
+    Phase.FAILED: _failed,
+}
+
+
+def plan(job: JobView, observed: Observed, now: dt.datetime, timing: Timing = Timing()) -> Plan:
+    """Decide the next step for one RLTrainingJob.
+
+    Args:
+        job: the job (an invalid spec is ``spec=None`` with ``spec_errors``).
+        observed: what the handlers gathered.
+        now: the current time (aware UTC); the planner never reads the clock.
+        timing: poll interval and unreachable grace.
+
+    Returns:
+        The :class:`Plan`. Invalid spec: phase Failed with ``lastFailure.reason`` InvalidSpec and no actions (no
+        children are created); fixing the spec resumes from Pending (nothing submitted yet) or Recovering.
+    """
+    b = _Builder(job, observed, now, timing)
+    if job.spec is None:
+        return _invalid(b)
+    phase = job.status.phase or Phase.PENDING
+    last = job.status.last_failure
+    if phase == Phase.FAILED and last is not None and last.reason == Reason.INVALID_SPEC.value:
+        phase = Phase.PENDING if job.status.attempt == 0 else Phase.RECOVERING
+        b.plan.phase = phase
+        b.set(last_failure=None, completion_time=None)
+        b.event(Reason.AS_EXPECTED, "the spec is valid again")
+    return _PHASES[phase](b)

@@ -1,0 +1,149 @@
+"""Pure readers: Node + Pod bodies -> NodeHealth, RayCluster body -> ClusterState; and the api name helpers."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from daedalus_operator import api
+from daedalus_operator.api import Reason
+from daedalus_operator.nodes import format_time, node_health, node_schedulable, read_cluster
+
+T0 = dt.datetime(2026, 1, 1, 0, 0, 0, tzinfo=dt.timezone.utc)
+
+
+def node(name: str, health: str | None = "Schedulable", ready: str = "True", cordoned: bool = False) -> dict:
+    labels = {api.HYPERPOD_HEALTH_LABEL: health} if health else {}
+    return {"metadata": {"name": name, "labels": labels}, "spec": {"unschedulable": cordoned} if cordoned else {},
+            "status": {"conditions": [{"type": "Ready", "status": ready}]}}
+
+
+def pod(name: str, node_name: str | None, role: str = "worker", phase: str = "Running", ready: bool = True,
+        created: dt.datetime = T0, deleting: bool = False, terminated: str | None = None) -> dict:
+    meta = {"name": name, "labels": {api.JOB_LABEL: "j", api.RAY_NODE_TYPE_LABEL: role},
+            "creationTimestamp": format_time(created)}
+    if deleting:
+        meta["deletionTimestamp"] = format_time(created)
+    status = {"phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if terminated:
+        status["containerStatuses"] = [{"name": "ray-worker", "state": {"terminated": {"reason": terminated}}}]
+    return {"metadata": meta, "spec": {"nodeName": node_name} if node_name else {}, "status": status}
+
+
+NODES = {n["metadata"]["name"]: n for n in [node("a"), node("b"), node("c")]}
+SINCE = T0 + dt.timedelta(seconds=60)
+
+
+def test_healthy() -> None:
+    h = node_health([pod("h", "a", "head"), pod("w1", "b")], NODES, hyperpod=True, since=SINCE, expected_pods=2)
+    assert h.first_issue() is None and (h.pods, h.ready_pods) == (2, 2) and h.bad_pods == ()
+
+
+@pytest.mark.parametrize("label,reason", [("UnschedulablePendingReplacement", Reason.NODE_REPLACEMENT),
+                                          ("UnschedulablePendingReboot", Reason.NODE_REBOOT)])
+def test_announced(label: str, reason: Reason) -> None:
+    nodes = dict(NODES, b=node("b", label))
+    h = node_health([pod("h", "a", "head"), pod("w1", "b")], nodes, hyperpod=True, since=SINCE, expected_pods=2)
+    assert h.first_issue() == (reason, "b", f"node b is {label}")
+    assert h.bad_pods == ("w1",) and not h.head_lost
+
+
+def test_announced_ignored_without_hyperpod() -> None:
+    nodes = dict(NODES, b=node("b", "UnschedulablePendingReplacement"))
+    h = node_health([pod("h", "a", "head"), pod("w1", "b")], nodes, hyperpod=False, since=SINCE, expected_pods=2)
+    assert h.first_issue() is None and h.bad_pods == ()
+
+
+def test_plain_unschedulable_label_is_not_a_trigger_but_pods_there_are_bad() -> None:
+    nodes = dict(NODES, b=node("b", "Unschedulable"))
+    h = node_health([pod("h", "a", "head"), pod("w1", "b")], nodes, hyperpod=True, since=SINCE, expected_pods=2)
+    assert h.first_issue() is None and h.bad_pods == ("w1",)
+
+
+def test_node_not_ready_and_gone() -> None:
+    nodes = {"a": NODES["a"], "b": node("b", ready="Unknown")}
+    h = node_health([pod("h", "a", "head"), pod("w1", "b"), pod("w2", "zz")], nodes, hyperpod=True, since=SINCE,
+                    expected_pods=3)
+    assert [(i.node, i.reason) for i in h.lost_nodes] == [("b", Reason.NODE_LOST), ("zz", Reason.NODE_LOST)]
+    assert h.first_issue()[0] == Reason.NODE_LOST and "Ready=Unknown" in h.first_issue()[2]
+    assert h.bad_pods == ("w1", "w2")
+
+
+def test_worker_replaced_missing_failed_deleting() -> None:
+    pods = [pod("h", "a", "head"), pod("w-new", "c", created=SINCE + dt.timedelta(seconds=1)),
+            pod("w-failed", "b", phase="Failed", ready=False, terminated="OOMKilled"), pod("w-del", "b", deleting=True)]
+    h = node_health(pods, NODES, hyperpod=True, since=SINCE, expected_pods=4)  # head + 3 workers
+    reasons = sorted((i.pod, i.reason) for i in h.lost_pods)
+    assert reasons == [("", "PodMissing"), ("w-del", "PodDeleting"), ("w-failed", "PodFailed"),
+                       ("w-new", "PodReplaced")]
+    assert "OOMKilled" in next(i.message for i in h.lost_pods if i.pod == "w-failed")
+    assert h.first_issue()[0] == Reason.WORKER_LOST
+    assert h.bad_pods == ("w-failed",)  # w-del is already going away
+    assert not h.head_lost
+
+
+def test_head_missing_or_replaced_is_head_lost() -> None:
+    h = node_health([pod("w1", "b")], NODES, hyperpod=True, since=SINCE, expected_pods=2)
+    assert h.head_lost and h.first_issue()[0] == Reason.HEAD_LOST
+    h = node_health([pod("h2", "a", "head", created=SINCE + dt.timedelta(seconds=5)), pod("w1", "b")], NODES,
+                    hyperpod=True, since=SINCE, expected_pods=2)
+    assert h.head_lost
+
+
+def test_no_attempt_no_loss_checks() -> None:
+    h = node_health([pod("h", "a", "head", phase="Pending", ready=False)], NODES, hyperpod=True, since=None,
+                    expected_pods=2)
+    assert h.lost_pods == () and (h.pods, h.ready_pods) == (1, 0)
+
+
+def test_node_schedulable() -> None:
+    assert node_schedulable(node("a"), hyperpod=True)
+    assert node_schedulable(node("a", None), hyperpod=True)  # not a HyperPod node
+    assert not node_schedulable(node("a", "Unschedulable"), hyperpod=True)
+    assert node_schedulable(node("a", "Unschedulable"), hyperpod=False)
+    assert not node_schedulable(node("a", ready="False"), hyperpod=False)
+    assert not node_schedulable(node("a", cordoned=True), hyperpod=False)
+
+
+def test_read_cluster() -> None:
+    assert not read_cluster(None).exists
+    body = {"metadata": {"name": "j-ray", "namespace": "ml"},
+            "status": {"state": "ready", "head": {"serviceIP": "10.1.2.3", "podIP": "10.9.9.9"},
+                       "endpoints": {"dashboard": "18265", "daedalus-metrics": "19400", "client": "10001"}}}
+    c = read_cluster(body)
+    assert (c.exists, c.ready, c.head_host) == (True, True, "10.1.2.3")
+    assert c.dashboard_url == "http://10.1.2.3:18265" and c.control_url == "http://10.1.2.3:19400"
+    cond_only = {"metadata": {"name": "j-ray", "namespace": "ml"}, "status": {"conditions": [
+        {"type": "HeadPodReady", "status": "True"}, {"type": "RayClusterProvisioned", "status": "True"}]}}
+    c = read_cluster(cond_only, control_port=9555)
+    assert c.ready and c.head_host == "j-ray-head-svc.ml.svc" and c.control_port == 9555
+    provisioning = {"metadata": {"name": "j-ray", "namespace": "ml"}, "status": {"conditions": [
+        {"type": "HeadPodReady", "status": "False", "message": "pending"}]}}
+    c = read_cluster(provisioning)
+    assert c.exists and not c.ready and "HeadPodReady: pending" in c.message
+    deleting = dict(body, metadata=dict(body["metadata"], deletionTimestamp="2026-01-01T00:00:00Z"))
+    assert read_cluster(deleting).deleting and not read_cluster(deleting).ready
+
+
+def test_names_respect_limits() -> None:
+    long = "a" * 63
+    assert len(api.raycluster_name(long)) == 53 and api.is_dns_label(api.raycluster_name(long))
+    assert len(api.rayservice_name(long)) == 36 and api.is_dns_label(api.rayservice_name(long))
+    for fn in (api.config_map_name, api.secret_name, api.network_policy_name):
+        assert len(fn(long)) == 63 and api.is_dns_label(fn(long))
+    assert api.raycluster_name("local-tiny") == "local-tiny-ray"
+    assert api.raycluster_name(long) != api.raycluster_name("a" * 62 + "b")
+    assert api.raycluster_name(long) == api.raycluster_name(long)  # deterministic across restarts
+    assert api.fit_name("x-" * 40, 20).endswith(api.fit_name("x-" * 40, 20)[-8:]) and "--" not in api.fit_name(
+        "x-" * 40, 20)
+    with pytest.raises(ValueError):
+        api.fit_name("abc", 5)
+
+
+def test_submission_id() -> None:
+    assert api.submission_id("job", "0f1e2d3c-4b5a-6978", 2) == "job-0f1e2d3c-a2"
+    with pytest.raises(ValueError):
+        api.submission_id("job", "0f1e", 0)
+    with pytest.raises(ValueError):
+        api.submission_id("job", "", 1)

@@ -1,0 +1,428 @@
+"""The planning core as tables: one row per (phase, observation), including an operator restart in every phase.
+
+Each row gives the job's last written status and what the handlers observed, and asserts the next phase, the actions
+(types and their key arguments), the status fields recorded and the events. A second test re-plans every row as a
+restarted operator would (status written, actions' effects not yet visible) and checks the invariant that matters most:
+no submission ever uses an id other than the one recorded in status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from daedalus_trainer.config import RLTrainingJobStatus, SpecError, parse_job
+
+from daedalus_operator import api, plan as p
+from daedalus_operator.api import Phase, Reason
+from daedalus_operator.nodes import ClusterState, NodeHealth, NodeIssue, PodIssue, format_time
+from daedalus_operator.status import compute_status
+
+ROOT = Path(__file__).resolve().parents[2]
+NOW = dt.datetime(2026, 1, 1, 0, 10, 0, tzinfo=dt.timezone.utc)
+UID = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+
+
+def ago(seconds: float) -> str:
+    return format_time(NOW - dt.timedelta(seconds=seconds))
+
+
+def later(seconds: float) -> str:
+    return format_time(NOW + dt.timedelta(seconds=seconds))
+
+
+def sid(attempt: int) -> str:
+    return api.submission_id("local-tiny", UID, attempt)
+
+
+def manifest(**spec_overrides: Any) -> dict:
+    doc = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
+    doc["metadata"]["namespace"] = "ml"
+    for dotted, value in spec_overrides.items():
+        node = doc["spec"]
+        *parents, leaf = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return doc
+
+
+def job(status: dict | None = None, **spec_overrides: Any) -> p.JobView:
+    doc = manifest(**spec_overrides)
+    try:
+        parsed = parse_job(doc)
+        spec, errors = parsed.spec, ()
+    except SpecError as exc:
+        spec, errors = None, tuple(exc.errors)
+    return p.JobView(name="local-tiny", namespace="ml", uid=UID, generation=1, spec=spec,
+                     status=RLTrainingJobStatus.model_validate(status or {}), spec_errors=errors)
+
+
+READY = ClusterState(exists=True, ready=True, head_host="10.0.0.5", state="ready")
+NOT_READY = ClusterState(exists=True, ready=False, head_host=None)
+GONE = ClusterState(exists=False)
+DELETING = ClusterState(exists=True, deleting=True)
+HEALTHY = NodeHealth(pods=2, ready_pods=2)  # head + 1 worker (local-tiny)
+
+
+def trainer(step: int, ckpt: int | None = None, attempt: int | None = None, **kw: Any) -> p.TrainerObservation:
+    return p.TrainerObservation(
+        reachable=True, step=step, total_steps=40, phase="training", attempt=attempt,
+        latest_checkpoint={"step": ckpt, "path": f"/ckpt/ml/local-tiny/step-{ckpt:06d}", "time": ago(5)}
+        if ckpt is not None else None, **kw)
+
+
+def obs(cluster: ClusterState = READY, state: p.RayJobState = p.RayJobState.RUNNING, message: str = "",
+        t: p.TrainerObservation | None = None, health: NodeHealth = HEALTHY,
+        call: p.CheckpointCall = p.CheckpointCall(), serving: bool = False) -> p.Observed:
+    return p.Observed(cluster=cluster, ray_job=p.RayJobObservation(state, message), trainer=t or p.TrainerObservation(),
+                      health=health, checkpoint_call=call, serving_exists=serving)
+
+
+def running_status(attempt: int = 1, **extra: Any) -> dict:
+    st = {"phase": "Running", "rayClusterName": "local-tiny-ray", "attempt": attempt, "submissionId": sid(attempt),
+          "submissionConfirmed": True, "attemptStartTime": ago(300), "lastProgressTime": ago(10), "currentStep": 12,
+          "latestCheckpoint": {"step": 10, "path": "/ckpt/ml/local-tiny/step-000010"}, "startTime": ago(300)}
+    st.update(extra)
+    return st
+
+
+ANNOUNCED = NodeHealth(pods=2, ready_pods=2, bad_pods=("local-tiny-ray-cpu-worker-abcde",), announced=(
+    NodeIssue("node-b", Reason.NODE_REPLACEMENT, "node node-b is UnschedulablePendingReplacement",
+              ("local-tiny-ray-cpu-worker-abcde",)),))
+REBOOT = dataclasses.replace(ANNOUNCED, announced=(
+    NodeIssue("node-b", Reason.NODE_REBOOT, "node node-b is UnschedulablePendingReboot",
+              ("local-tiny-ray-cpu-worker-abcde",)),))
+WORKER_LOST = NodeHealth(pods=2, ready_pods=1, lost_pods=(
+    PodIssue("local-tiny-ray-cpu-worker-fghij", "node-c", "worker", "PodReplaced", "created after the attempt"),))
+HEAD_LOST = NodeHealth(pods=1, ready_pods=1, lost_pods=(PodIssue("", None, "head", "PodMissing", "no head pod"),))
+RECOVERING = {"reason": "NodeReplacement", "node": "node-b", "detectedAt": ago(60), "stepAtDetection": 12,
+              "checkpointRequestedAt": ago(50), "checkpointTargetStep": 12, "stopRequestedAt": ago(40)}
+
+
+@dataclasses.dataclass
+class Row:
+    id: str
+    job: p.JobView
+    observed: p.Observed
+    phase: Phase
+    actions: list[Any]  # action instances, or action classes when the arguments do not matter
+    status: dict[str, Any] = dataclasses.field(default_factory=dict)  # expected plan.status subset (callables ok)
+    events: list[str] = dataclasses.field(default_factory=list)  # expected event reasons, in order
+    requeue: float | None | str = "any"
+    check: Any = None  # extra callable(plan)
+
+
+ROWS = [
+    # ---------------------------------------------------------------------------------------------- invalid spec
+    Row("invalid-spec-new-job", job(environment__size=8), obs(GONE, p.RayJobState.NOT_FOUND), Phase.FAILED, [],
+        {"last_failure": lambda f: f.reason == "InvalidSpec" and "spec.environment.size" in f.message},
+        ["InvalidSpec"], None),
+    Row("invalid-spec-restart-no-change",
+        job({"phase": "Failed", "lastFailure": {"reason": "InvalidSpec",
+             "message": "spec.environment.size: must be odd (outer walls included), e.g. 7, 9 or 11; got 8"}},
+            environment__size=8),
+        obs(GONE, p.RayJobState.NOT_FOUND), Phase.FAILED, [], {}, [], None,
+        check=lambda plan: plan.status == {}),
+    Row("invalid-spec-fixed", job({"phase": "Failed", "lastFailure": {"reason": "InvalidSpec", "message": "x"}}),
+        obs(GONE, p.RayJobState.NOT_FOUND), Phase.PROVISIONING, [p.EnsureChildren()],
+        {"last_failure": None, "ray_cluster_name": "local-tiny-ray"}, ["AsExpected", "Provisioning"], 0),
+    # ---------------------------------------------------------------------------------------------- Pending
+    Row("pending-new", job(), obs(GONE, p.RayJobState.NOT_FOUND), Phase.PROVISIONING, [p.EnsureChildren()],
+        {"ray_cluster_name": "local-tiny-ray"}, ["Provisioning"], 0),
+    Row("pending-created-suspended", job(suspend=True), obs(GONE, p.RayJobState.NOT_FOUND), Phase.SUSPENDED, [],
+        {}, ["Suspended"], None),
+    # ---------------------------------------------------------------------------------------------- Provisioning
+    Row("provisioning-cluster-absent", job({"phase": "Provisioning"}), obs(GONE, p.RayJobState.UNREACHABLE),
+        Phase.PROVISIONING, [p.EnsureChildren()], {}, [], 2.0),
+    Row("provisioning-not-ready", job({"phase": "Provisioning"}), obs(NOT_READY, p.RayJobState.UNREACHABLE,
+        health=NodeHealth()), Phase.PROVISIONING, [], {}, [], 2.0),
+    Row("provisioning-deleting-old-cluster", job({"phase": "Provisioning"}), obs(DELETING, p.RayJobState.UNREACHABLE),
+        Phase.PROVISIONING, [], {}, [], 2.0),
+    Row("provisioning-pods-not-all-ready", job({"phase": "Provisioning"}),
+        obs(READY, p.RayJobState.NOT_FOUND, health=NodeHealth(pods=2, ready_pods=1)), Phase.PROVISIONING, [], {}, [],
+        2.0),
+    Row("provisioning-ready-submit-a1", job({"phase": "Provisioning"}), obs(READY, p.RayJobState.NOT_FOUND),
+        Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(1), 1)],
+        {"attempt": 1, "submission_id": sid(1), "submission_confirmed": False, "start_time": format_time(NOW),
+         "attempt_start_time": format_time(NOW), "last_progress_time": format_time(NOW)}, ["Submitted"], 2.0,
+        check=lambda plan: "restarts" not in plan.status and plan.restart_reason is None),
+    Row("provisioning-pod-on-bad-node", job({"phase": "Provisioning"}),
+        obs(READY, p.RayJobState.NOT_FOUND, health=NodeHealth(pods=2, ready_pods=2, bad_pods=("w-1",))),
+        Phase.PROVISIONING, [p.DeletePods(("w-1",))], {}, [], 2.0),
+    Row("provisioning-suspend", job({"phase": "Provisioning"}, suspend=True), obs(NOT_READY, p.RayJobState.UNREACHABLE),
+        Phase.SUSPENDED, [p.DeleteCluster()], {}, ["Suspended"], None),
+    Row("provisioning-after-suspend-submits-next-attempt",
+        job({"phase": "Provisioning", "attempt": 2, "submissionId": sid(2), "restarts": 1,
+             "latestCheckpoint": {"step": 20, "path": "/c/step-000020"}}),
+        obs(READY, p.RayJobState.NOT_FOUND), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(3), 3)],
+        {"attempt": 3}, ["Submitted"], 2.0,
+        check=lambda plan: "restarts" not in plan.status and "step 20" in plan.events[0].message),
+    # ---------------------------------------------------------------------------------------------- Running
+    Row("running-restart-after-status-before-submit", job(running_status(submissionConfirmed=False)),
+        obs(READY, p.RayJobState.NOT_FOUND), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(1), 1)], {}, [], 2.0),
+    Row("running-restart-after-submit-confirms", job(running_status(submissionConfirmed=False)),
+        obs(READY, p.RayJobState.RUNNING, t=trainer(12, 10)), Phase.RUNNING, [], {"submission_confirmed": True}, [],
+        2.0),
+    Row("running-not-confirmed-cluster-not-ready", job(running_status(submissionConfirmed=False)),
+        obs(NOT_READY, p.RayJobState.NOT_FOUND), Phase.RUNNING, [], {}, [], 2.0),
+    Row("running-step-advances", job(running_status()), obs(t=trainer(13, 10)), Phase.RUNNING, [],
+        {"last_progress_time": format_time(NOW)}, [], 2.0),
+    Row("running-no-advance-no-write", job(running_status()), obs(t=trainer(12, 10)), Phase.RUNNING, [], {}, [], 2.0,
+        check=lambda plan: plan.status == {}),
+    Row("running-stale-trainer-of-other-attempt", job(running_status(attempt=2)), obs(t=trainer(30, 30, attempt=1)),
+        Phase.RUNNING, [], {}, [], 2.0, check=lambda plan: plan.status == {}),
+    Row("running-succeeded", job(running_status()), obs(state=p.RayJobState.SUCCEEDED), Phase.SUCCEEDED,
+        [p.DeleteCluster()], {"completion_time": format_time(NOW),
+                              "adapter_path": "/checkpoints/ml/local-tiny/exports/adapter"}, ["Succeeded"], None),
+    Row("running-succeeded-serving", job(running_status(), serving__enabled=True), obs(state=p.RayJobState.SUCCEEDED),
+        Phase.SUCCEEDED, [p.DeleteCluster(), p.EnsureServing("/checkpoints/ml/local-tiny/exports/adapter")],
+        {"serving_name": "local-tiny-serve"}, ["Succeeded"], None),
+    Row("running-node-replacement-checkpoint", job(running_status(), resilience__hyperPod=True),
+        obs(t=trainer(12, 10), health=ANNOUNCED), Phase.CHECKPOINTING, [p.RequestCheckpoint(sid(1), 12)],
+        {"recovery": lambda r: r.reason == "NodeReplacement" and r.node == "node-b" and r.checkpoint_target_step == 12
+         and r.checkpoint_requested_at == format_time(NOW) and r.not_before is None,
+         "last_failure": lambda f: f.reason == "NodeReplacement", "consecutive_failures": 0},
+        ["NodeReplacement"], 2.0),
+    Row("running-node-reboot-no-checkpoint-wanted",
+        job(running_status(), resilience__hyperPod=True, resilience__checkpointOnNodeWarning=False),
+        obs(t=trainer(12, 10), health=REBOOT), Phase.RECOVERING, [p.StopJob(sid(1))],
+        {"recovery": lambda r: r.reason == "NodeReboot" and r.stop_requested_at == format_time(NOW)},
+        ["NodeReboot"], 2.0),
+    Row("running-node-replacement-trainer-unreachable", job(running_status(), resilience__hyperPod=True),
+        obs(health=ANNOUNCED), Phase.RECOVERING, [p.StopJob(sid(1))],
+        {"recovery": lambda r: r.step_at_detection == 12 and r.checkpoint_requested_at is None}, ["NodeReplacement"]),
+    Row("running-worker-lost", job(running_status(), resilience__restartBackoffSeconds=15),
+        obs(t=trainer(12, 10), health=WORKER_LOST), Phase.RECOVERING, [p.StopJob(sid(1))],
+        {"recovery": lambda r: r.reason == "WorkerLost" and r.not_before == later(15), "consecutive_failures": 1},
+        ["WorkerLost"]),
+    Row("running-worker-lost-second-failure-backoff-doubles",
+        job(running_status(consecutiveFailures=2), resilience__restartBackoffSeconds=15),
+        obs(t=trainer(12, 10), health=WORKER_LOST), Phase.RECOVERING, [p.StopJob(sid(1))],
+        {"recovery": lambda r: r.not_before == later(60), "consecutive_failures": 3}, ["WorkerLost"]),
+    Row("running-head-lost", job(running_status()), obs(state=p.RayJobState.UNREACHABLE, health=HEAD_LOST),
+        Phase.RECOVERING, [], {"recovery": lambda r: r.reason == "HeadLost"}, ["HeadLost"], 0),
+    Row("running-app-error", job(running_status()),
+        obs(state=p.RayJobState.FAILED, message="Job entrypoint command failed with exit code 1: ValueError: bad"),
+        Phase.RECOVERING, [], {"last_failure": lambda f: f.reason == "ApplicationError" and "ValueError" in f.message,
+                               "recovery": lambda r: r.not_before == later(15)}, ["ApplicationError"], 0),
+    Row("running-infra-failure-message", job(running_status()),
+        obs(state=p.RayJobState.FAILED, message="ray.exceptions.NodeDiedError: node 1f3 died"),
+        Phase.RECOVERING, [], {"last_failure": lambda f: f.reason == "JobFailed"}, ["JobFailed"], 0),
+    Row("running-killed-sigkill", job(running_status()),
+        obs(state=p.RayJobState.FAILED, message="Job entrypoint command failed with exit code -9"),
+        Phase.RECOVERING, [], {"last_failure": lambda f: f.reason == "JobFailed"}, ["JobFailed"], 0),
+    Row("running-failed-restart-limit", job(running_status(restarts=3)),
+        obs(state=p.RayJobState.FAILED, message="boom"), Phase.FAILED, [p.DeleteCluster()],
+        {"last_failure": lambda f: f.reason == "RestartLimitExceeded" and "ApplicationError" in f.message,
+         "completion_time": format_time(NOW)}, ["RestartLimitExceeded"], None),
+    Row("running-stopped-externally", job(running_status()), obs(state=p.RayJobState.STOPPED),
+        Phase.RECOVERING, [], {"last_failure": lambda f: f.reason == "JobStopped"}, ["JobStopped"], 0),
+    Row("running-job-forgotten-by-head", job(running_status()), obs(state=p.RayJobState.NOT_FOUND),
+        Phase.RECOVERING, [], {"last_failure": lambda f: f.reason == "HeadLost"}, ["HeadLost"], 0),
+    Row("running-cluster-deleted-by-hand", job(running_status()), obs(GONE, p.RayJobState.UNREACHABLE),
+        Phase.RECOVERING, [], {"last_failure": lambda f: f.reason == "ClusterLost"}, ["ClusterLost"], 0),
+    Row("running-dashboard-unreachable-first", job(running_status()), obs(state=p.RayJobState.UNREACHABLE,
+        message="connection refused"), Phase.RUNNING, [], {"unreachable_since": format_time(NOW)}, [], 2.0),
+    Row("running-dashboard-unreachable-past-grace", job(running_status(unreachableSince=ago(61))),
+        obs(state=p.RayJobState.UNREACHABLE, message="connection refused"), Phase.RECOVERING, [],
+        {"last_failure": lambda f: f.reason == "HeadLost" and "unreachable for 61 s" in f.message}, ["HeadLost"], 0),
+    Row("running-dashboard-back", job(running_status(unreachableSince=ago(30))), obs(t=trainer(12, 10)),
+        Phase.RUNNING, [], {"unreachable_since": None}, [], 2.0),
+    Row("running-hung", job(running_status(lastProgressTime=ago(1801))), obs(t=trainer(12, 10)),
+        Phase.CHECKPOINTING, [p.RequestCheckpoint(sid(1), 12)], {"recovery": lambda r: r.reason == "Hung",
+                                                                  "consecutive_failures": 1}, ["Hung"]),
+    Row("running-suspend", job(running_status(), suspend=True), obs(t=trainer(12, 10)), Phase.CHECKPOINTING,
+        [p.RequestCheckpoint(sid(1), 12)], {"recovery": lambda r: r.reason == "Suspend"}, ["Suspend"],
+        check=lambda plan: "last_failure" not in plan.status and "consecutive_failures" in plan.status
+        and plan.status["consecutive_failures"] == 0),
+    Row("running-recovery-completes",
+        job(running_status(attempt=2, currentStep=12, restarts=1, recovery=dict(
+            RECOVERING, resubmittedAt=ago(20), resumeStep=12))),
+        obs(t=trainer(13, 12, attempt=2)), Phase.RUNNING, [],
+        {"recovery": None, "consecutive_failures": 0,
+         "last_recovery": lambda r: r.seconds == 60.0 and r.lost_steps == 0 and r.resumed_from_step == 12},
+        ["Recovered"], 2.0, check=lambda plan: plan.recovered is not None and plan.recovered.seconds == 60.0),
+    Row("running-resumed-but-not-yet-stepping",
+        job(running_status(attempt=2, currentStep=12, recovery=dict(RECOVERING, resubmittedAt=ago(20),
+                                                                    resumeStep=10))),
+        obs(t=trainer(10, 10, attempt=2)), Phase.RUNNING, [], {}, [], 2.0,
+        check=lambda plan: "recovery" not in plan.status),
+    Row("running-recovery-completes-with-lost-steps",
+        job(running_status(attempt=2, currentStep=10, recovery=dict(RECOVERING, reason="JobFailed",
+                                                                    resubmittedAt=ago(20), resumeStep=10))),
+        obs(t=trainer(11, 10, attempt=2)), Phase.RUNNING, [],
+        {"last_recovery": lambda r: r.lost_steps == 2 and r.step_at_detection == 12}, ["Recovered"], 2.0),
+    # ---------------------------------------------------------------------------------------------- Checkpointing
+    Row("checkpointing-done-by-status", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, stopRequestedAt=None))), obs(t=trainer(13, 13), call=p.CheckpointCall(in_flight=True)),
+        Phase.RECOVERING, [p.StopJob(sid(1))],
+        {"latest_checkpoint": lambda c: c.step == 13 and c.path.endswith("step-000013"),
+         "recovery": lambda r: r.stop_requested_at == format_time(NOW)}, ["CheckpointTaken", "Recovering"]),
+    Row("checkpointing-done-by-call-result", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, stopRequestedAt=None))), obs(t=trainer(13, 10), call=p.CheckpointCall(step=13, path="/c/13")),
+        Phase.RECOVERING, [p.StopJob(sid(1))], {"latest_checkpoint": lambda c: c.step == 13 and c.path == "/c/13"},
+        ["CheckpointTaken", "Recovering"]),
+    Row("checkpointing-waiting", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(in_flight=True)), Phase.CHECKPOINTING, [], {}, [], 2.0),
+    Row("checkpointing-operator-restart-asks-again", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))), obs(t=trainer(12, 10)),
+        Phase.CHECKPOINTING, [p.RequestCheckpoint(sid(1), 12)], {}, [], 2.0),
+    Row("checkpointing-timeout", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(301), stopRequestedAt=None))),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(in_flight=True)), Phase.RECOVERING, [p.StopJob(sid(1))], {},
+        ["CheckpointTimeout", "Recovering"]),
+    Row("checkpointing-call-failed", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(error="HTTP 500: disk full")), Phase.RECOVERING,
+        [p.StopJob(sid(1))], {}, ["CheckpointFailed", "Recovering"]),
+    Row("checkpointing-job-ended", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, stopRequestedAt=None))), obs(state=p.RayJobState.FAILED, message="node died"),
+        Phase.RECOVERING, [], {"recovery": lambda r: r.stop_requested_at == format_time(NOW)}, ["Recovering"], 0),
+    Row("checkpointing-job-succeeded", job(running_status(phase="Checkpointing", recovery=RECOVERING)),
+        obs(state=p.RayJobState.SUCCEEDED), Phase.SUCCEEDED, [p.DeleteCluster()], {"recovery": None}, ["Succeeded"],
+        None),
+    # ---------------------------------------------------------------------------------------------- Recovering
+    Row("recovering-operator-restart-stops-again", job(running_status(phase="Recovering", recovery=RECOVERING)),
+        obs(t=trainer(13, 13)), Phase.RECOVERING, [p.StopJob(sid(1))], {}, [], 2.0,
+        check=lambda plan: plan.status == {}),
+    Row("recovering-stop-not-yet-recorded", job(running_status(phase="Recovering", recovery=dict(
+        RECOVERING, stopRequestedAt=None))), obs(state=p.RayJobState.RUNNING), Phase.RECOVERING,
+        [p.StopJob(sid(1))], {"recovery": lambda r: r.stop_requested_at == format_time(NOW)}, [], 2.0),
+    Row("recovering-delete-pods-on-bad-node", job(running_status(phase="Recovering", recovery=RECOVERING)),
+        obs(state=p.RayJobState.STOPPED, health=ANNOUNCED), Phase.RECOVERING,
+        [p.DeletePods(("local-tiny-ray-cpu-worker-abcde",))], {}, [], 2.0),
+    Row("recovering-backoff", job(running_status(phase="Recovering", recovery=dict(RECOVERING, notBefore=later(7)))),
+        obs(state=p.RayJobState.FAILED), Phase.RECOVERING, [], {}, [], 7.0),
+    Row("recovering-cluster-not-ready", job(running_status(phase="Recovering", recovery=RECOVERING)),
+        obs(NOT_READY, p.RayJobState.UNREACHABLE, health=NodeHealth(pods=1, ready_pods=1)), Phase.RECOVERING, [], {},
+        [], 2.0),
+    Row("recovering-worker-rescheduled-not-ready", job(running_status(phase="Recovering", recovery=RECOVERING)),
+        obs(state=p.RayJobState.STOPPED, health=NodeHealth(pods=2, ready_pods=1)), Phase.RECOVERING, [], {}, [], 2.0),
+    Row("recovering-cluster-gone", job(running_status(phase="Recovering", recovery=dict(RECOVERING,
+                                                                                        reason="ClusterLost"))),
+        obs(GONE, p.RayJobState.UNREACHABLE, health=NodeHealth()), Phase.RECOVERING, [p.EnsureChildren()], {}, [],
+        2.0),
+    Row("recovering-resubmit", job(running_status(phase="Recovering", recovery=RECOVERING,
+                                                  latestCheckpoint={"step": 12, "path": "/c/12"})),
+        obs(state=p.RayJobState.STOPPED), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(2), 2)],
+        {"attempt": 2, "submission_id": sid(2), "restarts": 1, "submission_confirmed": False,
+         "recovery": lambda r: r.resubmitted_at == format_time(NOW) and r.resume_step == 12},
+        ["Resubmitted"], 2.0, check=lambda plan: plan.restart_reason == "NodeReplacement"),
+    Row("recovering-resubmit-after-head-loss-job-unknown",
+        job(running_status(phase="Recovering", recovery=dict(RECOVERING, reason="HeadLost"))),
+        obs(state=p.RayJobState.NOT_FOUND), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(2), 2)], {},
+        ["Resubmitted"], 2.0),
+    Row("recovering-restart-limit", job(running_status(phase="Recovering", recovery=RECOVERING, restarts=3)),
+        obs(state=p.RayJobState.STOPPED), Phase.FAILED, [p.DeleteCluster()],
+        {"last_failure": lambda f: f.reason == "RestartLimitExceeded"}, ["RestartLimitExceeded"], None),
+    Row("recovering-suspend-done", job(running_status(phase="Recovering", recovery=dict(RECOVERING, reason="Suspend")),
+                                       suspend=True),
+        obs(state=p.RayJobState.STOPPED), Phase.SUSPENDED, [p.DeleteCluster()], {"recovery": None}, ["Suspended"],
+        None),
+    # ---------------------------------------------------------------------------------------------- Suspended
+    Row("suspended-deletes-cluster", job(running_status(phase="Suspended"), suspend=True),
+        obs(state=p.RayJobState.UNREACHABLE), Phase.SUSPENDED, [p.DeleteCluster()], {}, [], None),
+    Row("suspended-stays", job(running_status(phase="Suspended"), suspend=True), obs(GONE, p.RayJobState.UNREACHABLE),
+        Phase.SUSPENDED, [], {}, [], None, check=lambda plan: plan.status == {}),
+    Row("suspended-resume", job(running_status(phase="Suspended")), obs(GONE, p.RayJobState.UNREACHABLE),
+        Phase.PROVISIONING, [p.EnsureChildren()], {}, ["Resumed"], 0),
+    # ---------------------------------------------------------------------------------------------- terminal
+    Row("succeeded-frees-cluster", job(running_status(phase="Succeeded")), obs(state=p.RayJobState.SUCCEEDED),
+        Phase.SUCCEEDED, [p.DeleteCluster()], {}, [], None),
+    Row("succeeded-operator-restart-nothing", job(running_status(phase="Succeeded")),
+        obs(GONE, p.RayJobState.UNREACHABLE), Phase.SUCCEEDED, [], {}, [], None, check=lambda plan: plan.status == {}),
+    Row("succeeded-serving-missing", job(running_status(phase="Succeeded", adapterPath="/a"), serving__enabled=True),
+        obs(GONE, p.RayJobState.UNREACHABLE), Phase.SUCCEEDED, [p.EnsureServing("/a")], {}, [], None),
+    Row("succeeded-serving-exists", job(running_status(phase="Succeeded", adapterPath="/a"), serving__enabled=True),
+        obs(GONE, p.RayJobState.UNREACHABLE, serving=True), Phase.SUCCEEDED, [], {}, [], None),
+    Row("failed-frees-cluster", job(running_status(phase="Failed", lastFailure={"reason": "RestartLimitExceeded"})),
+        obs(state=p.RayJobState.FAILED), Phase.FAILED, [p.DeleteCluster()], {}, [], None),
+    Row("failed-operator-restart-nothing",
+        job(running_status(phase="Failed", lastFailure={"reason": "RestartLimitExceeded"})),
+        obs(GONE, p.RayJobState.UNREACHABLE), Phase.FAILED, [], {}, [], None, check=lambda plan: plan.status == {}),
+]
+
+
+def _match_actions(got: list[Any], want: list[Any]) -> bool:
+    if len(got) != len(want):
+        return False
+    return all((isinstance(g, w) if isinstance(w, type) else g == w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_plan_table(row: Row) -> None:
+    result = p.plan(row.job, row.observed, NOW)
+    assert result.phase == row.phase, result
+    assert _match_actions(result.actions, row.actions), (result.actions, row.actions)
+    for key, want in row.status.items():
+        assert key in result.status, (key, result.status)
+        got = result.status[key]
+        assert (want(got) if callable(want) else got == want), (key, got)
+    assert [e.reason for e in result.events] == row.events, result.events
+    if row.requeue != "any":
+        assert result.requeue_after == row.requeue
+    if row.check is not None:
+        assert row.check(result), result
+
+
+def test_every_phase_has_rows() -> None:
+    phases = {r.job.status.phase or Phase.PENDING for r in ROWS}
+    assert phases == set(Phase)
+
+
+def _restarted(row: Row) -> tuple[p.JobView, p.Plan]:
+    """The operator wrote the status of the first plan and crashed before its actions had any visible effect."""
+    first = p.plan(row.job, row.observed, NOW)
+    new_status = compute_status(row.job.status.model_dump(by_alias=True, mode="json", exclude_none=True),
+                                row.observed, first, None, job=row.job, now=NOW)
+    job2 = dataclasses.replace(row.job, status=RLTrainingJobStatus.model_validate(new_status))
+    return job2, p.plan(job2, row.observed, NOW + dt.timedelta(seconds=1))
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_restart_never_submits_an_unrecorded_id(row: Row) -> None:
+    job2, second = _restarted(row)
+    for action in second.actions:
+        if isinstance(action, p.Submit):
+            recorded = second.status.get("submission_id", job2.status.submission_id)
+            assert action.submission_id == recorded
+            assert action.attempt == second.status.get("attempt", job2.status.attempt)
+    first_ids = {a.submission_id for a in p.plan(row.job, row.observed, NOW).actions if isinstance(a, p.Submit)}
+    second_ids = {a.submission_id for a in second.actions if isinstance(a, p.Submit)}
+    assert not (first_ids and second_ids) or first_ids == second_ids, "a restart must resubmit the same id"
+
+
+def test_backoff_doubles_and_caps() -> None:
+    assert [p.backoff_seconds(15, n) for n in range(0, 8)] == [0, 15, 30, 60, 120, 240, 480, 600]
+    assert p.backoff_seconds(0, 5) == 0
+
+
+@pytest.mark.parametrize("message,reason", [
+    ("Job entrypoint command failed with exit code 1, last available logs: ValueError", Reason.APPLICATION_ERROR),
+    ("ray.exceptions.RayletDiedError: the raylet died", Reason.JOB_FAILED),
+    ("The actor died unexpectedly before finishing this task", Reason.JOB_FAILED),
+    ("Job supervisor actor died", Reason.JOB_FAILED),
+    ("exit code 137", Reason.JOB_FAILED),
+])
+def test_classify_failure_messages(message: str, reason: Reason) -> None:
+    got, node, msg = p.classify_failure(p.RayJobObservation(p.RayJobState.FAILED, message), NodeHealth())
+    assert got == reason and node is None and message in msg
+
+
+def test_classify_prefers_node_evidence() -> None:
+    got, node, msg = p.classify_failure(p.RayJobObservation(p.RayJobState.FAILED, "exit code 1"), ANNOUNCED)
+    assert (got, node) == (Reason.NODE_REPLACEMENT, "node-b") and "exit code 1" in msg
+
+
+def test_trainer_observation_from_status_document() -> None:
+    t = p.TrainerObservation.from_status({"step": "7", "totalSteps": 40, "phase": "training",
+                                          "latestCheckpoint": {"step": 5, "path": "/c/5", "time": "t"},
+                                          "successRatio": 0.5, "attempt": 2, "extra": 1})
+    assert (t.step, t.total_steps, t.checkpoint_step, t.success_ratio, t.attempt) == (7, 40, 5, 0.5, 2)
+    assert p.TrainerObservation.from_status({"latestCheckpoint": None}).checkpoint_step is None
