@@ -330,6 +330,26 @@ def test_saving_an_older_step_moves_the_abandoned_timeline_aside(tmp_path: Path)
     assert load_latest(root).step == 2
 
 
+def test_saving_the_latest_step_again_replaces_it(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep=3)
+    save_steps(manager, [1, 2])
+    adapter, opt_state, state = make_state(2)
+    state.extra = {"second": True}
+    manager.save(2, adapter, opt_state, state)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001", "step-000002"]
+    assert load_latest(root).trainer_state.extra == {"second": True}
+
+    # The same re-save on a disk that fills up at the very end puts the replaced checkpoint back.
+    probe = FullDisk(float("inf"))
+    CheckpointManager(tmp_path / "probe", keep=3, opener=probe).save(2, adapter, opt_state, state)
+    state.extra = {"third": True}
+    with pytest.raises(CheckpointSaveError, match="no space left on device"):
+        CheckpointManager(root, keep=3, opener=FullDisk(probe.written - 6)).save(2, adapter, opt_state, state)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001", "step-000002"]
+    assert load_latest(root).trainer_state.extra == {"second": True}
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Full disk
 # --------------------------------------------------------------------------------------------------------------------

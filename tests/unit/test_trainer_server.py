@@ -243,7 +243,7 @@ def play_training_loop(control: ControlState, root: Path, start_step: int, stop_
             log.append(("saved", step, time.monotonic()))
             control.checkpoint_done(info)
             if control.stop_requested():
-                control.set_status(phase="finished")
+                control.set_status(phase="stopped")
                 return
             control.set_status(phase="training")
 
@@ -306,7 +306,7 @@ def test_stop_checkpoints_and_ends_the_loop(server: TrainerServer, control: Cont
     r = requests.post(server.url + "/stop", headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["stopping"] is True
     thread.join(timeout=5)
-    assert not thread.is_alive() and control.status()["phase"] == "finished"
+    assert not thread.is_alive() and control.status()["phase"] == "stopped"
     assert load_latest(root).step == r.json()["step"]
     late = requests.post(server.url + "/checkpoint", headers=AUTH, timeout=5)
     assert late.status_code == 409 and late.json()["latestCheckpoint"]["step"] == r.json()["step"]

@@ -27,9 +27,10 @@ checkpoint and the ``latest`` pointer as they were, and raises :class:`Checkpoin
 
 Reading: :func:`load_latest` verifies candidates newest first against their manifest and falls back to older ones,
 logging (``logging.warning``) which file was bad and why. Checkpoints of the same or a higher step than the one
-being saved belong to an abandoned timeline (``resume: none`` or an explicit older ``PATH``); :meth:`CheckpointManager.save`
-renames them to ``abandoned-step-NNNNNN-<utc>`` (never deletes them) so that ``resume: latest`` continues the run
-that is actually going on.
+being saved belong to an abandoned timeline (``resume: none``, an explicit older ``PATH``, a corrupt one we fell
+back from); :meth:`CheckpointManager.save` renames them to ``abandoned-step-NNNNNN-<utc>`` (never deletes them) so
+that ``resume: latest`` continues the run that is actually going on. Saving again the step ``latest`` names (the
+newest) replaces it.
 
 Only the LoRA adapter and its optimizer state are stored, so resuming does not depend on the number of GPUs.
 """
@@ -736,6 +737,7 @@ class CheckpointManager:
         final = self.root / name
         tmp = self.root / f"{_TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
         committed = False
+        replaced: Path | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._remove_stale_temporaries()
@@ -761,7 +763,7 @@ class CheckpointManager:
             for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: len(p.parts), reverse=True):
                 _fsync_path(d, directory=True)
 
-            self._set_aside_same_or_newer(step)
+            replaced = self._set_aside_same_or_newer(step)
             os.rename(tmp, final)
             committed = True
             _fsync_path(self.root, directory=True)
@@ -771,14 +773,18 @@ class CheckpointManager:
             if committed:
                 # All or nothing: the pointer could not be replaced, so take the new directory back out.
                 shutil.rmtree(final, ignore_errors=True)
-                try:
-                    _fsync_path(self.root, directory=True)
-                except OSError:
-                    pass
+            if replaced is not None and replaced.exists() and not final.exists():
+                os.rename(replaced, final)  # put back the checkpoint this save was replacing
+            try:
+                _fsync_path(self.root, directory=True)
+            except OSError:
+                pass
             if not isinstance(e, Exception):
                 raise  # KeyboardInterrupt / SystemExit: cleaned up, propagate unchanged
             raise self._save_error(step, e) from e
         commit_time = time.time()
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
         self._rotate(keep_name=name)
         info = CheckpointInfo(step=step, path=final, time=commit_time, bytes=total,
                               seconds=time.monotonic() - started)
@@ -826,16 +832,28 @@ class CheckpointManager:
                 else:
                     entry.unlink(missing_ok=True)
 
-    def _set_aside_same_or_newer(self, step: int) -> None:
+    def _set_aside_same_or_newer(self, step: int) -> Path | None:
         """Checkpoints with a step >= ``step`` belong to another timeline (fresh start, explicit older resume, or a
-        corrupt one we fell back from): rename them, never delete them, so ``resume: latest`` follows this run."""
+        corrupt one we fell back from): rename them, never delete them, so ``resume: latest`` follows this run.
+
+        Exception: saving again the step that ``latest`` names and that is the newest (the loop re-saved the same
+        step) replaces it: the old directory goes to a ``.trash-*`` name, returned so the caller deletes it after
+        the new one is committed (an interrupted save leaves it for the next save's clean-up)."""
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        for other_step, path in list_checkpoints(self.root):
-            if other_step >= step:
+        checkpoints = list_checkpoints(self.root)
+        pointer = read_latest_pointer(self.root)
+        replaced = None
+        for other_step, path in checkpoints:
+            if other_step == step and path.name == pointer and other_step == checkpoints[-1][0]:
+                replaced = path.with_name(f"{_TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
+                log.info("saving step %d again: replacing %s", step, path)
+                os.rename(path, replaced)
+            elif other_step >= step:
                 aside = path.with_name(f"abandoned-{path.name}-{stamp}-{uuid.uuid4().hex[:4]}")
                 log.warning("checkpoint %s is at or after step %d of the current run; moving it aside to %s",
                             path, step, aside.name)
                 os.rename(path, aside)
+        return replaced
 
     def _rotate(self, keep_name: str) -> None:
         """Delete all but the newest ``keep`` checkpoints. ``keep_name`` (just saved, named by ``latest``) is the

@@ -68,9 +68,11 @@ TOKEN_FILE_ENV = "DAEDALUS_CONTROL_TOKEN_FILE"
 DEFAULT_WAIT_SECONDS = 300.0
 MAX_WAIT_SECONDS = 3600.0
 
-Phase = Literal["starting", "sft", "training", "evaluating", "checkpointing", "finished", "failed"]
+Phase = Literal["starting", "sft", "training", "evaluating", "checkpointing", "finished", "stopped", "failed"]
+"""Trainer phases in ``/status``. ``stopped``: left the loop on ``POST /stop`` after a checkpoint (the operator
+resubmits with ``resume: latest``); ``finished``: all steps done; ``failed``: the loop raised."""
 PHASES: tuple[str, ...] = get_args(Phase)
-_TERMINAL = ("finished", "failed")
+_TERMINAL = ("finished", "stopped", "failed")
 
 
 def load_control_token(environ: Mapping[str, str] | None = None) -> str | None:
@@ -124,11 +126,12 @@ class ControlState:
                 control.checkpoint_failed(str(e)); raise
             control.checkpoint_done(info)
             if control.stop_requested():
-                control.set_status(phase="finished"); break
+                control.set_status(phase="stopped"); break
             control.set_status(phase="training")
 
     ``checkpoint_done`` answers every caller that asked before it (several concurrent requests coalesce into one
-    checkpoint). Entering a terminal phase (``finished``/``failed``) answers pending callers with an error.
+    checkpoint). Entering a terminal phase (``finished``/``stopped``/``failed``) answers pending callers with an
+    error (HTTP 409).
     """
 
     def __init__(self, *, total_steps: int = 0, attempt: int = 0) -> None:
@@ -192,7 +195,7 @@ class ControlState:
     ) -> None:
         """Update the fields given (others keep their value). ``latest_checkpoint`` (an object with ``step``,
         ``path``, ``time``) sets ``latestCheckpoint`` without answering waiters (e.g. the checkpoint a run resumed
-        from). Entering ``finished`` or ``failed`` answers pending checkpoint callers with an error.
+        from). Entering ``finished``, ``stopped`` or ``failed`` answers pending checkpoint callers with an error.
 
         Raises:
             ValueError: unknown ``phase`` or a ratio outside [0, 1].
@@ -297,9 +300,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send(code, (json.dumps(doc) + "\n").encode("utf-8"), "application/json", headers)
 
     def _drain_body(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if 0 < length <= 1 << 20:
-            self.rfile.read(length)
+        """Read and ignore a request body (the control routes take none) so the keep-alive connection stays in
+        sync; close the connection instead when the length is bad or over 1 MiB."""
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if 0 <= length <= 1 << 20:
+            if length:
+                self.rfile.read(length)
+        else:
+            self.close_connection = True
 
     # -- routes ------------------------------------------------------------------------------------------------------
 
