@@ -143,6 +143,8 @@ def test_round_trip_restores_adapter_optimizer_and_rng_exactly(tmp_path: Path) -
     train_steps(resumed, resumed_opt, 2, seed=99)
     assert torch.equal(resumed.lora_A, model.lora_A) and torch.equal(resumed.lora_B, model.lora_B)
 
+    assert loaded.info.step == 3 and loaded.info.path == info.path and loaded.info.bytes == info.bytes
+    assert loaded.info.time == pytest.approx(info.time, abs=5)  # manifest time is taken just before the commit
     ts = loaded.trainer_state
     assert ts.sampler == {"next": 24} and ts.extra == {"note": "x"}
     assert ts.metric_history[0]["step"] == 3 and np.isnan(ts.metric_history[0]["kl"])

@@ -303,6 +303,7 @@ class LoadedCheckpoint:
         no arbitrary unpickling). Pass it to ``optimizer.load_state_dict``."""
         return torch.load(self.path / OPTIMIZER, map_location=map_location, weights_only=True)
 
+    @property
     def info(self) -> CheckpointInfo:
         """This checkpoint as a :class:`CheckpointInfo` (``seconds`` is 0: it was not saved by this process)."""
         return CheckpointInfo(step=self.step, path=self.path, time=self.time, bytes=self.bytes, seconds=0.0)
