@@ -481,7 +481,8 @@ def check_lora_targets(model: torch.nn.Module, target_modules: Sequence[str] | s
     from peft.tuners.tuners_utils import check_target_module_exists
 
     targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "base_layer")]
+    adaptable = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    names = [n for n, m in model.named_modules() if isinstance(m, adaptable) or hasattr(m, "base_layer")]
     selected: set[str] = set()
     for target in targets:
         cfg = LoraConfig(target_modules=target if isinstance(target_modules, str) else [target])
@@ -494,7 +495,7 @@ def check_lora_targets(model: torch.nn.Module, target_modules: Sequence[str] | s
                 "e.g. q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
             )
         if not hits:
-            raise ValueError(f"LoRA target {target!r} matches no linear module of the model")
+            raise ValueError(f"LoRA target {target!r} matches no linear, embedding or convolution module of the model")
         selected.update(hits)
     return sorted(selected)
 

@@ -1,0 +1,284 @@
+"""Policy tests on the real tiny Qwen3-VL: checkpoint, tokenizer/processor, LoRA, log-probs, generation."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from support.tiny_model import make_tiny_job, tiny_checkpoint, tiny_job, tiny_policy  # noqa: F401
+
+from daedalus_trainer import prompts, tiny
+from daedalus_trainer.envs import maze_from_seed, render_rgb
+from daedalus_trainer.policy import (
+    TokenSequence,
+    check_lora_targets,
+    load_policy,
+    load_pretrained,
+    resolve_base_dir,
+)
+from daedalus_trainer.rollout.engine import SamplingParams, TransformersEngine
+
+LORA = SimpleNamespace(rank=8, alpha=16.0, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+def _maze_image(seed: int, agent=None, cell_px: int = 16) -> np.ndarray:
+    maze = maze_from_seed(7, seed)
+    return render_rgb(maze, agent or maze.start, cell_px)
+
+
+def _conversation(history: int, seed: int = 0):
+    """A multi-turn conversation with ``history`` images (user/assistant alternating)."""
+    settings = prompts.PromptSettings(history_turns=history)
+    maze = maze_from_seed(7, seed)
+    obs = [{"image": render_rgb(maze, maze.start, 16), "ascii": "", "feedback": ""}]
+    replies = []
+    for k in range(history - 1):
+        replies.append('move("up")' if k % 2 else "not an action")
+        obs.append({"image": render_rgb(maze, maze.start, 16), "ascii": "", "feedback": "Hit a wall; you did not move."})
+    return prompts.build_conversation(obs, replies, settings)
+
+
+def _perturb_lora(policy, scale: float = 0.5, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+# --------------------------------------------------------------------------------------------------- checkpoint
+def test_tiny_checkpoint_is_saved_like_a_real_one(tiny_checkpoint):
+    files = {p.name for p in tiny_checkpoint.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+            "processor_config.json", "generation_config.json"} <= files
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl"
+    assert config["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    text, vision = config["text_config"], config["vision_config"]
+    assert text["hidden_size"] == 128 and text["num_hidden_layers"] == 2
+    assert vision["depth"] == 2 and vision["hidden_size"] == 64 and vision["out_hidden_size"] == 128
+    assert sum(text["rope_parameters"]["mrope_section"]) == text["head_dim"] // 2
+    assert max(vision["deepstack_visual_indexes"]) < vision["depth"]
+    proc = json.loads((tiny_checkpoint / "processor_config.json").read_text())
+    assert proc["processor_class"] == "TinyQwen3VLProcessor"
+    assert proc["image_processor"]["image_mean"] == [0.8] * 3 and proc["image_processor"]["image_std"] == [0.2] * 3
+    assert proc["image_processor"]["patch_size"] == 16
+
+
+def test_tiny_policy_loads_through_auto_classes(tiny_policy):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    assert isinstance(tiny_policy.model, Qwen3VLForConditionalGeneration)
+    assert type(tiny_policy.processor).__name__ == "TinyQwen3VLProcessor"
+    n = tiny.count_parameters(tiny_policy.model)
+    assert 500_000 < n < 1_200_000, n
+    cfg = tiny_policy.model.config
+    tok = tiny_policy.tokenizer
+    assert cfg.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert cfg.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
+    assert tok.padding_side == "left" and tok.pad_token == "<|endoftext|>"
+
+
+def test_save_load_round_trip_is_exact(tiny_policy, tmp_path):
+    out = tiny_policy.save_pretrained(tmp_path / "copy")
+    again = load_pretrained(out, "float32", "cpu")
+    a, b = tiny_policy.model.state_dict(), again.model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    messages, images = _conversation(2)
+    seq = TokenSequence(prompts.encode_prompt(tiny_policy.processor, messages, images), [5, 9, 2], images)
+    with torch.no_grad():
+        lp1 = tiny_policy.response_logprobs(tiny_policy.collate([seq]))
+        lp2 = again.response_logprobs(again.collate([seq]))
+    assert torch.equal(lp1, lp2)
+    assert (out / "daedalus_tiny.json").is_file()
+
+
+def test_tokenizer_round_trips_task_text(tiny_policy):
+    tok = tiny_policy.tokenizer
+    for text in ['move("up")', "('move', 2)", "<action>stop</action>", "Hit a wall; you did not move.",
+                 "naïve ünïcode ✓ \t\n"]:
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    # the task's own strings are compact (merges learned from them)
+    assert len(tok.encode('move("left")', add_special_tokens=False)) <= 5
+
+
+def test_processor_expands_images_and_marks_them(tiny_policy):
+    messages, images = _conversation(3)
+    text = prompts.render(tiny_policy.processor, messages)
+    assert text.count("<|vision_start|><|image_pad|><|vision_end|>") == 3
+    assert text.endswith("<|im_start|>assistant\n")
+    enc = prompts.encode_prompts(tiny_policy.processor, [messages], [images])
+    ids = enc["input_ids"][0]
+    # 112 px images become 128 px -> 8x8 patches -> 16 merged visual tokens each
+    assert enc["image_grid_thw"].tolist() == [[1, 8, 8]] * 3
+    assert int((ids == tiny_policy.image_token_id).sum()) == 48
+    assert torch.equal(enc["mm_token_type_ids"][0], (ids == tiny_policy.image_token_id).long())
+    with pytest.raises(ValueError, match="images only"):
+        tiny_policy.processor(text=["x"], videos=[np.zeros((2, 32, 32, 3), np.uint8)])
+
+
+# -------------------------------------------------------------------------------------------------------- LoRA
+def test_lora_targets_only_the_language_model(tiny_policy):
+    tiny_policy.add_lora(LORA)
+    lora_modules = [n for n, m in tiny_policy.model.named_modules() if hasattr(m, "lora_A")]
+    assert len(lora_modules) == 2 * 4  # 2 decoder layers x q/k/v/o
+    assert all(".language_model." in n and ".visual." not in n for n in lora_modules)
+    trainable = [n for n, p in tiny_policy.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+@pytest.mark.parametrize("target", ["qkv", "attn.proj", "linear_fc1", "proj", "patch_embed.proj"])
+def test_vision_lora_targets_are_rejected(tiny_policy, target):
+    with pytest.raises(ValueError, match="vision-tower"):
+        tiny_policy.add_lora(SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", target]))
+    assert not tiny_policy.has_adapter
+
+
+def test_unknown_lora_target_is_rejected(tiny_policy):
+    with pytest.raises(ValueError, match="matches no linear"):
+        check_lora_targets(tiny_policy.model, ["q_proj", "nope_proj"])
+
+
+def test_reference_is_the_base_model_with_adapter_disabled(tiny_policy):
+    messages, images = _conversation(2)
+    seq = TokenSequence(prompts.encode_prompt(tiny_policy.processor, messages, images), [11, 12, 13, 2], images)
+    batch = tiny_policy.collate([seq, seq])
+    with torch.no_grad():
+        base = tiny_policy.response_logprobs(batch)
+    with pytest.raises(ValueError, match="needs a LoRA adapter"):
+        tiny_policy.reference_logprobs(batch)
+    tiny_policy.add_lora(LORA)
+    _perturb_lora(tiny_policy)
+    with torch.no_grad():
+        adapted = tiny_policy.response_logprobs(batch)
+    ref = tiny_policy.reference_logprobs(batch)
+    assert torch.allclose(ref, base, atol=1e-6)
+    assert (adapted - base).abs().max() > 1e-2
+    # the adapter is enabled again after the reference forward
+    with torch.no_grad():
+        assert torch.allclose(tiny_policy.response_logprobs(batch), adapted, atol=1e-6)
+
+
+def test_adapter_save_and_state_reload_are_exact(tiny_checkpoint, tmp_path):
+    a = load_pretrained(tiny_checkpoint, "float32", "cpu")
+    a.add_lora(LORA)
+    _perturb_lora(a, seed=3)
+    path = a.save_adapter(tmp_path / "adapter")
+    assert (path / "adapter_config.json").is_file() and (path / "adapter_model.safetensors").is_file()
+    b = load_pretrained(tiny_checkpoint, "float32", "cpu")
+    b.load_adapter(path)
+    c = load_pretrained(tiny_checkpoint, "float32", "cpu")
+    c.add_lora(LORA)
+    c.load_adapter(a.adapter_state())
+    messages, images = _conversation(1)
+    seq = TokenSequence(prompts.encode_prompt(a.processor, messages, images), [20, 21, 2], images)
+    with torch.no_grad():
+        lps = [p.response_logprobs(p.collate([seq])) for p in (a, b, c)]
+    assert torch.equal(lps[0], lps[1]) and torch.equal(lps[0], lps[2])
+    with pytest.raises(ValueError, match="no adapter attached"):
+        load_pretrained(tiny_checkpoint, "float32", "cpu").load_adapter(a.adapter_state())
+
+
+def test_load_policy_builds_tiny_and_refuses_missing_real_model(tmp_path):
+    job = make_tiny_job()
+    policy = load_policy(job.spec.model, job.spec.lora, work_dir=tmp_path)
+    assert policy.has_adapter and policy.path == tmp_path / "tiny-base"
+    assert resolve_base_dir(job.spec.model, tmp_path) == tmp_path / "tiny-base"  # built once, reused
+    real = SimpleNamespace(path=str(tmp_path / "missing"), tiny=False, dtype="bfloat16", sft_adapter=None)
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        load_policy(real)
+
+
+# ------------------------------------------------------------------------------------------------- log-probs
+def test_shared_prefix_forward_equals_plain_forward(tiny_policy):
+    tiny_policy.add_lora(LORA)
+    _perturb_lora(tiny_policy, 0.1)
+    seqs = []
+    for k in range(4):
+        messages, images = _conversation(1 + k % 3, seed=k)
+        seqs.append(TokenSequence(prompts.encode_prompt(tiny_policy.processor, messages, images),
+                                  [30 + k, 31, 32, 2][: 2 + k % 3], images))
+    batch = tiny_policy.collate(seqs)
+    assert tiny_policy.shared_prefix_length(batch) > 50  # the system prompt
+    grads = []
+    for share in (False, True):
+        tiny_policy.model.zero_grad()
+        lp = tiny_policy.response_logprobs(batch, 0.7, share_prefix=share)
+        lp.sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in tiny_policy.trainable_parameters()]))
+        if share:
+            assert torch.allclose(lp, plain, atol=1e-5)
+        plain = lp.detach()
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
+    assert (plain != 0).sum() == batch.num_assistant_tokens
+
+
+def test_collate_rejects_image_count_mismatch(tiny_policy):
+    messages, images = _conversation(2)
+    ids = prompts.encode_prompt(tiny_policy.processor, messages, images)
+    with pytest.raises(ValueError, match="image tokens"):
+        tiny_policy.collate([TokenSequence(ids, [3, 2], images[:1])])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_generate_logprobs_match_training_forward(tiny_policy, temperature):
+    """Log-probs reported by generation equal the learner's recomputation on the same tokens (left-padded batch,
+    multi-turn, multi-image, M-RoPE) to 1e-4."""
+    tiny_policy.add_lora(LORA)
+    _perturb_lora(tiny_policy, 0.05)
+    convs, imgs = zip(*[_conversation(h, seed=h) for h in (1, 2, 3, 1)])
+    engine = TransformersEngine(tiny_policy)
+    gens = engine.generate(list(convs), list(imgs), SamplingParams(temperature, 1.0, 16, seed=7))
+    assert len({len(g.prompt_ids) for g in gens}) > 1  # really left-padded
+    seqs = [TokenSequence(g.prompt_ids, g.token_ids, g.images) for g in gens]
+    batch = tiny_policy.collate(seqs)
+    with torch.no_grad():
+        lp = tiny_policy.response_logprobs(batch, SamplingParams(temperature).logprob_temperature)
+    for i, g in enumerate(gens):
+        n = len(g.prompt_ids)
+        got = lp[i, n : n + len(g.token_ids)]
+        assert torch.allclose(got, torch.tensor(g.logprobs), atol=1e-4), (got, g.logprobs)
+        assert g.finish_reason in ("stop", "length")
+        assert g.text == tiny_policy.tokenizer.decode(g.token_ids, skip_special_tokens=True)
+        assert [img.shape for img in g.images] == [im.shape for im in imgs[i]]
+    # the same seed gives the same samples
+    again = engine.generate(list(convs), list(imgs), SamplingParams(temperature, 1.0, 16, seed=7))
+    assert [g.token_ids for g in again] == [g.token_ids for g in gens]
+
+
+def test_vision_tokens_are_never_generated(tiny_policy):
+    """Even when the model strongly prefers <|image_pad|> & co, generation never emits them (a sampled image pad
+    would break the next forward)."""
+    banned = tiny_policy.suppressed_token_ids
+    assert set(banned) == {tiny_policy.tokenizer.convert_tokens_to_ids(t) for t in tiny.VISION_SPECIAL_TOKENS}
+
+    def push_vision_tokens(module, inputs, output):
+        output = output.clone()
+        output[..., banned] += 100.0
+        return output
+
+    handle = tiny_policy.model.lm_head.register_forward_hook(push_vision_tokens)
+    try:
+        convs, imgs = zip(*[_conversation(1, seed=s) for s in range(3)])
+        for temperature in (0.0, 1.0):
+            gens = TransformersEngine(tiny_policy).generate(list(convs), list(imgs),
+                                                            SamplingParams(temperature, 1.0, 8, seed=1))
+            assert all(not set(g.token_ids) & set(banned) for g in gens)
+            assert all(len(g.token_ids) > 0 for g in gens)
+    finally:
+        handle.remove()
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+    assert SamplingParams(0.0).greedy and SamplingParams(0.0).logprob_temperature == 1.0
