@@ -1,0 +1,109 @@
+"""Episode loop tests: history window, parse failures, trajectory records the learner can recompute exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.tiny_model import (  # noqa: F401
+    ScriptedEngine,
+    make_tiny_job,
+    solver_reply,
+    tiny_checkpoint,
+    tiny_job,
+    tiny_policy,
+)
+
+from daedalus_trainer.envs import maze_from_seed, solve
+from daedalus_trainer.prompts import PromptSettings, build_conversation
+from daedalus_trainer.rollout import SamplingParams, TransformersEngine, run_episodes
+
+
+def _vision_spans(policy, ids) -> int:
+    start = policy.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    return sum(1 for t in ids if t == start)
+
+
+@pytest.mark.parametrize("history", [1, 3])
+def test_history_window_holds_exactly_history_turns_images(tiny_policy, tiny_checkpoint, history):
+    """Turn k's context holds min(k + 1, historyTurns) images: in the record, in the prompt tokens, and in the
+    messages the engine received."""
+    job = make_tiny_job(tiny_checkpoint, environment={"historyTurns": history, "maxTurns": 5})
+    seen = []
+
+    def wander(messages, images):
+        seen.append((sum(m["role"] == "user" for m in messages), len(images)))
+        return 'move("up")'
+
+    trajs = run_episodes(ScriptedEngine(tiny_policy, wander), [maze_from_seed(7, 3)], job.spec.environment,
+                         SamplingParams(1.0))
+    turns = trajs[0].turns
+    assert len(turns) == 5
+    for k, turn in enumerate(turns):
+        expected = min(k + 1, history)
+        assert len(turn.images) == expected
+        assert _vision_spans(tiny_policy, turn.prompt_ids) == expected
+        assert seen[k] == (expected, expected)
+        # the current observation is the last image
+        assert turn.images[-1].shape == (7 * 16, 7 * 16, 3)
+
+
+def test_conversation_alternates_and_keeps_replies_in_window():
+    obs = [{"image": None, "ascii": f"map{k}", "feedback": f"fb{k}" if k else ""} for k in range(4)]
+    settings = PromptSettings(observation="ascii", history_turns=2)
+    messages, images = build_conversation(obs, ["r0", "r1", "r2"], settings)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[2]["content"] == "r2" and images == []
+    assert messages[1]["content"][0]["text"] == "fb2\n" and messages[1]["content"][1]["text"] == "map2"
+    with pytest.raises(ValueError):
+        build_conversation(obs, ["r0"], settings)
+
+
+def test_malformed_generations_consume_turns_with_feedback(tiny_policy, tiny_job):
+    """The random tiny model writes no valid action: every turn is consumed with the parse-failure feedback, the
+    next prompt shows that feedback, and the episode ends at the turn limit (truncated, reward 0)."""
+    maze = maze_from_seed(7, 5)
+    engine = TransformersEngine(tiny_policy)
+    traj = run_episodes(engine, [maze], tiny_job.spec.environment, SamplingParams(1.0, 1.0, 12), seed=0)[0]
+    limit = 2 * (len(solve(maze)) + 1)
+    assert traj.num_turns == traj.max_turns == limit
+    assert traj.truncated and not traj.success and traj.reward == 0.0
+    assert all(t.parse_error and t.action is None for t in traj.turns)
+    assert all(t.feedback.startswith("Invalid action:") for t in traj.turns)
+    decoded = tiny_policy.tokenizer.decode(traj.turns[1].prompt_ids)
+    assert traj.turns[0].feedback in decoded
+
+
+def test_solver_engine_succeeds_with_optimal_turns(tiny_policy, tiny_job):
+    mazes = [maze_from_seed(7, s) for s in range(4)]
+    engine = ScriptedEngine(tiny_policy, lambda messages, images: solver_reply(images[-1], 16))
+    trajs = run_episodes(engine, mazes, tiny_job.spec.environment, SamplingParams(0.0))
+    for maze, traj in zip(mazes, trajs):
+        assert traj.success and traj.reward == 1.0 and not traj.truncated
+        assert traj.num_turns == len(solve(maze)) + 1 == traj.optimal_path_length + 1
+        assert traj.actions == solve(maze) + ["stop"]
+        assert traj.feedback[-1] == "Stopped on the goal."
+    assert engine.batches[0] == 4  # episodes run in lockstep, one engine call per turn
+
+
+def test_trajectory_records_recompute_to_the_sampled_logprobs(tiny_policy, tiny_checkpoint):
+    """The learner recomputes, from the records alone, the log-probs the engine reported for every sampled token."""
+    job = make_tiny_job(tiny_checkpoint, environment={"historyTurns": 2, "maxTurns": 3})
+    engine = TransformersEngine(tiny_policy)
+    trajs = run_episodes(engine, [maze_from_seed(7, s) for s in range(3)], job.spec.environment,
+                         SamplingParams(0.8, 1.0, 10), seed=11)
+    turns = [t for tr in trajs for t in tr.turns]
+    assert len(turns) == 9
+    for t in turns:
+        assert len(t.tokens) == len(t.assistant_mask) == len(t.token_logprobs)
+        assert sum(t.assistant_mask) == len(t.completion_ids) == len(t.logprobs)
+        assert t.tokens[len(t.prompt_ids):] == t.completion_ids
+    batch = tiny_policy.collate([t.sequence() for t in turns])
+    with torch.no_grad():
+        lp = tiny_policy.response_logprobs(batch, 0.8)
+    for i, t in enumerate(turns):
+        assert torch.allclose(lp[i, : len(t.tokens)], torch.tensor(t.token_logprobs), atol=1e-4)
+    # reproducible for a given seed
+    again = run_episodes(engine, [maze_from_seed(7, s) for s in range(3)], job.spec.environment,
+                         SamplingParams(0.8, 1.0, 10), seed=11)
+    assert [[t.completion_ids for t in tr.turns] for tr in again] == [[t.completion_ids for t in tr.turns]
+                                                                        for tr in trajs]
