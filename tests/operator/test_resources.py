@@ -1,0 +1,248 @@
+"""Manifest builders against the real schemas: KubeRay v1.7.0 RayCluster/RayService CRDs (jsonschema on
+openAPIV3Schema, with unknown fields rejected as the API server's strict field validation does) and the built-in kinds
+with kubernetes-validate --strict."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from daedalus_trainer.config import RLTrainingJobStatus, parse_job
+
+from daedalus_operator import api, resources as r
+from daedalus_operator.plan import JobView
+from daedalus_operator.settings import OperatorSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+# Repository-relative, as in CI's clone: ../shared/kuberay-v1.7.0 beside the repository root.
+KUBERAY = ROOT / ".." / "shared" / "kuberay-v1.7.0"
+K8S_VERSION = "1.30.0"
+SETTINGS = OperatorSettings(operator_namespace="daedalus-system")
+
+
+def strict(schema: Any) -> Any:
+    """Reject unknown fields like ``kubectl apply --validate=strict``: every object schema that lists properties and
+    does not preserve unknown fields gets ``additionalProperties: false``."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if out.get("type") == "object" and "properties" in out and "additionalProperties" not in out \
+            and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def kuberay_validator(filename: str) -> jsonschema.Draft4Validator:
+    crd = yaml.load((KUBERAY / filename).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    schema = strict(version["schema"]["openAPIV3Schema"])
+    schema["properties"]["metadata"] = {"type": "object"}
+    return jsonschema.Draft4Validator(schema)
+
+
+@pytest.fixture(scope="module")
+def raycluster_schema() -> jsonschema.Draft4Validator:
+    return kuberay_validator("ray.io_rayclusters.yaml")
+
+
+@pytest.fixture(scope="module")
+def rayservice_schema() -> jsonschema.Draft4Validator:
+    return kuberay_validator("ray.io_rayservices.yaml")
+
+
+def errors(validator: jsonschema.Draft4Validator, obj: dict) -> list[str]:
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+
+
+def view(example: str, name: str | None = None, **patch: Any) -> JobView:
+    doc = yaml.safe_load((ROOT / "examples" / example).read_text())
+    doc["metadata"].setdefault("namespace", "default")
+    if name:
+        doc["metadata"]["name"] = name
+    for dotted, value in patch.items():
+        node = doc["spec"]
+        *parents, leaf = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    job = parse_job(doc)
+    return JobView(name=job.metadata.name, namespace=job.metadata.namespace, uid="6a1b2c3d-0000-4000-8000-000000000001",
+                   generation=3, spec=job.spec, status=RLTrainingJobStatus())
+
+
+HYPERPOD = "hyperpod-qwen3vl-8b.yaml"
+TINY = "local-tiny.yaml"
+LONG = "x" * 62 + "y"
+
+
+@pytest.mark.parametrize("example,name", [(TINY, None), (HYPERPOD, None), (HYPERPOD, LONG)])
+def test_raycluster_validates_against_kuberay(raycluster_schema, example: str, name: str | None) -> None:
+    rc = r.build_raycluster(view(example, name), SETTINGS)
+    assert errors(raycluster_schema, rc) == []
+    assert len(rc["metadata"]["name"]) <= 53 and api.is_dns_label(rc["metadata"]["name"])
+
+
+def test_strict_schema_catches_a_misspelled_field(raycluster_schema) -> None:
+    rc = r.build_raycluster(view(TINY), SETTINGS)
+    bad = copy.deepcopy(rc)
+    bad["spec"]["headGroupSpec"]["rayStartParam"] = bad["spec"]["headGroupSpec"].pop("rayStartParams")
+    assert any("rayStartParam" in e for e in errors(raycluster_schema, bad))
+    bad = copy.deepcopy(rc)
+    bad["spec"]["workerGroupSpecs"][0]["replicas"] = "one"
+    assert any("replicas" in e for e in errors(raycluster_schema, bad))
+
+
+def test_raycluster_hyperpod_shape() -> None:
+    job = view(HYPERPOD)
+    rc = r.build_raycluster(job, SETTINGS)
+    meta = rc["metadata"]
+    assert meta["name"] == "maze-qwen3vl-8b-ray" and meta["namespace"] == "ml-training"
+    assert meta["labels"][api.JOB_LABEL] == "maze-qwen3vl-8b"
+    assert meta["ownerReferences"] == [{"apiVersion": "daedalus.dev/v1alpha1", "kind": "RLTrainingJob",
+                                        "name": "maze-qwen3vl-8b", "uid": job.uid, "controller": True,
+                                        "blockOwnerDeletion": True}]
+    assert rc["spec"]["rayVersion"] == "2.60.0"
+    head = rc["spec"]["headGroupSpec"]
+    assert head["rayStartParams"] == {"num-cpus": "0", "dashboard-host": "0.0.0.0"}
+    hpod = head["template"]["spec"]
+    hc = hpod["containers"][0]
+    assert api.GPU_RESOURCE not in hc["resources"]["limits"] and hc["resources"]["limits"]["cpu"] == "8"
+    ports = {p["name"]: p["containerPort"] for p in hc["ports"]}
+    assert ports["daedalus-metrics"] == 9400 and ports["dashboard"] == 8265
+    mounts = {m["name"]: m["mountPath"] for m in hc["volumeMounts"]}
+    assert mounts == {"shared": "/fsx", "config": "/etc/daedalus", "control-token": "/var/run/secrets/daedalus"}
+    env = {e["name"]: e["value"] for e in hc["env"]}
+    assert env["DAEDALUS_CONTROL_TOKEN_FILE"] == "/var/run/secrets/daedalus/token"
+    assert head["template"]["metadata"]["labels"] == {api.JOB_LABEL: "maze-qwen3vl-8b"}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "sagemaker.amazonaws.com/node-health-status", "operator": "In",
+                               "values": ["Schedulable"]}]}]}}}
+    assert hpod["affinity"] == affinity
+
+    (wg,) = rc["spec"]["workerGroupSpecs"]
+    assert (wg["groupName"], wg["replicas"], wg["minReplicas"], wg["maxReplicas"]) == ("p5", 2, 2, 2)
+    wpod = wg["template"]["spec"]
+    wc = wpod["containers"][0]
+    assert wc["resources"]["limits"] == {"cpu": "180", "memory": "1800Gi", "nvidia.com/gpu": 8,
+                                         "vpc.amazonaws.com/efa": 32}
+    assert wc["resources"]["requests"] == wc["resources"]["limits"]
+    vols = {v["name"]: v for v in wpod["volumes"]}
+    assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "256Gi"}
+    assert vols["shared"]["persistentVolumeClaim"] == {"claimName": "fsx-claim"}
+    assert {m["name"]: m["mountPath"] for m in wc["volumeMounts"]} == {"shared": "/fsx", "dshm": "/dev/shm"}
+    assert wpod["nodeSelector"] == {"node.kubernetes.io/instance-type": "ml.p5.48xlarge"}
+    assert wpod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert wpod["affinity"] == affinity
+    assert wg["template"]["metadata"]["labels"] == {api.JOB_LABEL: "maze-qwen3vl-8b"}
+
+
+def test_raycluster_tiny_shape() -> None:
+    rc = r.build_raycluster(view(TINY), SETTINGS)
+    (wg,) = rc["spec"]["workerGroupSpecs"]
+    wpod = wg["template"]["spec"]
+    assert wpod["containers"][0]["resources"]["limits"] == {"cpu": "2", "memory": "8Gi"}
+    assert "affinity" not in wpod and "nodeSelector" not in wpod  # hyperPod: false, no instance type
+    assert {v["name"] for v in wpod["volumes"]} == {"dshm"}  # no checkpoint.volume: local paths
+
+
+def test_shared_mount_path() -> None:
+    assert r.shared_mount_path(view(HYPERPOD).spec) == "/fsx"
+    assert r.shared_mount_path(view(HYPERPOD, model__path="/models/x", model__sftAdapter=None).spec) == \
+        "/fsx/daedalus/checkpoints"
+
+
+@pytest.mark.parametrize("example", [TINY, HYPERPOD])
+def test_builtin_kinds_validate_strictly(example: str) -> None:
+    job = view(example)
+    for obj in (r.build_config_map(job), r.build_secret(job), r.build_network_policy(job, SETTINGS)):
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == job.uid
+        assert obj["metadata"]["labels"][api.JOB_LABEL] == job.name
+
+
+def test_builtin_validation_is_real() -> None:
+    cm = r.build_config_map(view(TINY))
+    cm["data"]["config.json"] = 5
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(cm, K8S_VERSION, strict=True)
+
+
+def test_config_map_holds_the_resolved_job() -> None:
+    job = view(TINY)
+    cm = r.build_config_map(job)
+    doc = json.loads(cm["data"]["config.json"])
+    assert doc["metadata"] == {"name": "local-tiny", "namespace": "default", "uid": job.uid}
+    assert doc["spec"]["algorithm"]["klCoef"] == 0.0  # a default the YAML does not spell
+    assert doc["spec"]["checkpoint"]["intervalSteps"] == 5
+    assert parse_job(doc).spec == job.spec  # the trainer reads back the same spec
+    assert r.build_config_map(job) == cm  # stable bytes: no needless updates
+
+
+def test_secret_token_is_random_and_round_trips() -> None:
+    job = view(TINY)
+    a, b = r.build_secret(job), r.build_secret(job)
+    ta, tb = r.secret_token(a), r.secret_token(b)
+    assert ta != tb and len(base64.urlsafe_b64decode(ta + "=")) == 32
+    assert r.secret_token(r.build_secret(job, token="fixed")) == "fixed"
+    assert a["type"] == "Opaque" and a["metadata"]["name"] == "local-tiny-control"
+
+
+def test_network_policy_admits_only_the_operator_to_dashboard_and_control() -> None:
+    job = view(TINY)
+    settings = OperatorSettings(operator_namespace="ops", control_port=9400, metrics_namespaces=("monitoring",))
+    np = r.build_network_policy(job, settings)
+    spec = np["spec"]
+    assert spec["podSelector"] == {"matchLabels": {api.JOB_LABEL: "local-tiny"}}
+    assert spec["policyTypes"] == ["Ingress"]
+    own, op, prom = spec["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": {api.JOB_LABEL: "local-tiny"}}}]}
+    assert op["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+                           "podSelector": {"matchLabels": {"app.kubernetes.io/name": "daedalus-operator"}}}]
+    assert sorted(p["port"] for p in op["ports"]) == [8265, 9400]
+    assert [p["port"] for p in prom["ports"]] == [9400]
+    kubernetes_validate.validate(np, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", [None, LONG])
+def test_rayservice_validates_and_serves_the_adapter(rayservice_schema, name: str | None) -> None:
+    job = view(HYPERPOD, name, serving__enabled=True)
+    rs = r.build_rayservice(job, "s3://fsx-export/daedalus/checkpoints/ml-training/maze-qwen3vl-8b/exports/")
+    assert errors(rayservice_schema, rs) == []
+    assert len(rs["metadata"]["name"]) <= 36 and api.is_dns_label(rs["metadata"]["name"])
+    app = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]
+    assert app["import_path"] == "ray.serve.llm:build_openai_app"
+    (llm,) = app["args"]["llm_configs"]
+    assert llm["model_loading_config"] == {"model_id": "Qwen/Qwen3-VL-8B-Instruct",
+                                           "model_source": "/fsx/models/Qwen3-VL-8B-Instruct"}
+    assert llm["lora_config"]["dynamic_lora_loading_path"] == \
+        "s3://fsx-export/daedalus/checkpoints/ml-training/maze-qwen3vl-8b/exports"
+    assert llm["engine_kwargs"]["max_lora_rank"] == 32 and llm["engine_kwargs"]["enable_lora"] is True
+    cluster = rs["spec"]["rayClusterConfig"]
+    wpod = cluster["workerGroupSpecs"][0]["template"]["spec"]
+    assert wpod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {m["mountPath"] for m in wpod["containers"][0]["volumeMounts"]} == {"/fsx", "/dev/shm"}
+    # serving pods are not selected by the training job's NetworkPolicy
+    assert api.JOB_LABEL not in cluster["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert r.serving_request_model(job) == "Qwen/Qwen3-VL-8B-Instruct:adapter"
+
+
+def test_rayservice_rejects_a_local_lora_path() -> None:
+    with pytest.raises(ValueError, match="object storage only"):
+        r.build_rayservice(view(HYPERPOD, serving__enabled=True), "/fsx/daedalus/checkpoints/exports")
+
+
+def test_builders_refuse_an_invalid_spec() -> None:
+    job = view(TINY)
+    bad = JobView(name=job.name, namespace=job.namespace, uid=job.uid, generation=1, spec=None,
+                  status=RLTrainingJobStatus(), spec_errors=(("spec.x", "bad"),))
+    with pytest.raises(ValueError, match="invalid spec"):
+        r.build_raycluster(bad, SETTINGS)
