@@ -34,11 +34,15 @@ class LayoutError(ValueError):
 
 
 def possible_layouts(size: int) -> float:
-    """Number of distinct layouts of side ``size``: exact (as a float) up to :data:`EXACT_COUNT_MAX_SIZE`, above
-    that ``exp(log det)`` of the room-grid Laplacian minor (matrix-tree theorem, float64; ``inf`` on overflow)."""
-    if size <= EXACT_COUNT_MAX_SIZE:
-        return float(count_layouts(size))
-    n = (size - 1) // 2
+    """Number of distinct layouts of side ``size``: exact (:func:`daedalus_trainer.envs.count_layouts`, as a float)
+    up to :data:`EXACT_COUNT_MAX_SIZE`, :func:`estimate_layouts` above (the exact big-integer determinant gets slow)."""
+    return float(count_layouts(size)) if size <= EXACT_COUNT_MAX_SIZE else estimate_layouts(size)
+
+
+def estimate_layouts(size: int) -> float:
+    """Spanning trees of the room grid in float64: ``exp(log det)`` of the grid Laplacian with one row and column
+    removed (Kirchhoff's matrix-tree theorem); ``inf`` beyond float range. Relative error ~1e-12."""
+    n = (int(size) - 1) // 2
     lap = np.zeros((n * n, n * n))
     for k in range(n * n):
         r, c = divmod(k, n)
@@ -46,7 +50,7 @@ def possible_layouts(size: int) -> float:
             if 0 <= rr < n and 0 <= cc < n:
                 lap[k, k] += 1
                 lap[k, rr * n + cc] = -1
-    sign, logdet = np.linalg.slogdet(lap[:-1, :-1])
+    _, logdet = np.linalg.slogdet(lap[:-1, :-1])
     return math.exp(logdet) if logdet < 700 else math.inf
 
 

@@ -1,0 +1,73 @@
+"""Held-out evaluation layouts and the training sampler that excludes them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from daedalus_trainer.envs import count_layouts
+from daedalus_trainer.layouts import (
+    LayoutError,
+    TrainingSampler,
+    check_layouts,
+    estimate_layouts,
+    eval_layout_hashes,
+    eval_mazes,
+    possible_layouts,
+)
+
+
+def env(size=7, n=64, seed=1234):
+    return SimpleNamespace(size=size, eval_mazes=n, eval_seed=seed)
+
+
+def test_eval_set_has_distinct_layouts_and_is_deterministic():
+    a, b = eval_mazes(env()), eval_mazes(env())
+    assert len(a) == 64 and a == b
+    assert len({m.layout_hash() for m in a}) == 64
+    assert eval_mazes(env(), n=10) == a[:10]
+    assert eval_mazes(env(seed=1)) != a
+    assert eval_layout_hashes(env()) == frozenset(m.layout_hash() for m in a)
+
+
+def test_training_sampler_never_yields_eval_layouts_and_covers_the_rest():
+    sampler = TrainingSampler.for_env(env(), seed=0)
+    held_out = eval_layout_hashes(env())
+    seen = {sampler.maze(step, i).layout_hash() for step in range(60) for i in range(32)}
+    assert not seen & held_out
+    # 1920 uniform draws over the 128 remaining layouts see all of them (miss probability ~1e-4)
+    assert len(seen) == count_layouts(7) - 64 == 128
+    # deterministic per (seed, step, index), independent of call order
+    assert sampler.maze(5, 3) == TrainingSampler.for_env(env(), seed=0).mazes(5, 4)[3]
+    assert sampler.mazes(5, 4) != TrainingSampler.for_env(env(), seed=1).mazes(5, 4)
+
+
+def test_report_counts_possible_and_excluded_layouts():
+    r = check_layouts(env())
+    assert (r.possible, r.excluded, r.training) == (192, 64, 128)
+    assert r.summary() == "size 7: 192 possible layouts, 64 held out for evaluation, 128 for training"
+    assert r.to_dict()["possible"] == 192
+    big = check_layouts(env(size=31))
+    assert big.possible > 1e100 and big.to_dict()["training"] > 1e100
+
+
+@pytest.mark.parametrize(
+    ("size", "n", "message"),
+    [
+        (5, 1, "use a larger environment.size"),  # 4 layouts in all
+        (7, 100, "lower environment.evalMazes to at most 96"),  # 92 left < 100 held out
+        (7, 200, "exceeds the 192 distinct layouts"),
+    ],
+)
+def test_configs_leaving_too_few_training_layouts_are_rejected(size, n, message):
+    with pytest.raises(LayoutError, match=message):
+        check_layouts(env(size=size, n=n))
+    with pytest.raises(LayoutError):
+        TrainingSampler.for_env(env(size=size, n=n), seed=0)
+
+
+def test_layout_count_estimate_matches_exact_count():
+    assert possible_layouts(9) == 100352
+    for size in (7, 9, 11, 13):
+        assert estimate_layouts(size) == pytest.approx(count_layouts(size), rel=1e-9)
