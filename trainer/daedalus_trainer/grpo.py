@@ -251,7 +251,8 @@ class Trainer:
         """
         import ray
 
-        from daedalus_trainer.checkpoint import AdapterState, CheckpointManager, TrainerState, export_adapter
+        from daedalus_trainer.checkpoint import (AdapterState, CheckpointManager, TrainerState, capture_rng_state,
+                                                 export_adapter)
         from daedalus_trainer.layouts import TrainingSampler
         from daedalus_trainer.metrics import StepStats
 
@@ -284,8 +285,10 @@ class Trainer:
 
         def save(step_now: int):
             adapter, config, optim = ray.get(learner.checkpoint_state.remote())
-            state = TrainerState(sampler={"seed": algo.seed, "next_step": step_now}, metric_history=history,
-                                 extra={"rollout_workers": len(workers)})
+            # Every random draw comes from per-step seeds (mazes: (seed, step, index); sampling: step_seed), so the
+            # sampler state is the step; the global RNG states are recorded for completeness.
+            state = TrainerState(sampler={"seed": algo.seed, "next_step": step_now}, rng=capture_rng_state(),
+                                 metric_history=history, extra={"rollout_workers": len(workers)})
             self.control.set_status(phase="checkpointing")
             info = manager.save(step_now, AdapterState(adapter, config), optim, state)
             self.metrics.observe_checkpoint(info)
@@ -299,6 +302,8 @@ class Trainer:
         stopped = False
         while step < algo.steps:
             if self.control.stop_requested():
+                if latest is None or latest.step != step:
+                    latest = save(step)  # a stop that arrived after the end-of-step check still gets its checkpoint
                 stopped = True
                 break
             # sample: M mazes for this step, G episodes on each (the same maze within a group)

@@ -132,33 +132,38 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     for name, ev in (("SFT start", before), ("after GRPO", after)):
         g = _greedy(ev)
         s = _sampled(ev)
-        table.add_row(name, f"{g['success']:.1%}", f"[{g['ci95'][0]:.1%}, {g['ci95'][1]:.1%}]",
-                      f"{s['success']:.1%}" if s else "-", f"{g.get('mean_turns', float('nan')):.1f}")
+        table.add_row(name, f"{g['success_rate']:.1%}", f"[{g['ci_low']:.1%}, {g['ci_high']:.1%}]",
+                      f"{s['success_rate']:.1%}" if s else "-", f"{g['mean_turns']:.1f}")
     console.print(table)
     console.print(f"GRPO steps: {report['steps']}  wall time: {report['wall_seconds']:.0f} s  "
                   f"adapter: {result.adapter_dir}  curves: {curves}  report: {run_dir / 'report.json'}")
     return 0
 
 
+def _mode(ev: dict, mode: str) -> dict | None:
+    """The ``results`` entry of ``mode`` in an :class:`~daedalus_trainer.evaluation.EvalReport` dict."""
+    return next((r for r in ev.get("results", []) if r["mode"] == mode), None)
+
+
 def _greedy(ev: dict) -> dict:
-    return ev["greedy"]
+    return _mode(ev, "greedy")
 
 
 def _sampled(ev: dict) -> dict | None:
-    return ev.get("sampled")
+    return _mode(ev, "sampled")
 
 
 def _report(job, before: dict, after: dict, result, wall: float) -> dict[str, Any]:
     """The figures of ``report.json`` (keys fixed by the GRPO issue's acceptance)."""
     return {
         "job": job.metadata.name,
-        "success_before": _greedy(before)["success"],
-        "success_after": _greedy(after)["success"],
-        "ci95_before": list(_greedy(before)["ci95"]),
-        "ci95_after": list(_greedy(after)["ci95"]),
-        "sampled_success_before": (_sampled(before) or {}).get("success"),
-        "sampled_success_after": (_sampled(after) or {}).get("success"),
-        "eval_mazes": _greedy(after).get("episodes", job.spec.environment.eval_mazes),
+        "success_before": _greedy(before)["success_rate"],
+        "success_after": _greedy(after)["success_rate"],
+        "ci95_before": [_greedy(before)["ci_low"], _greedy(before)["ci_high"]],
+        "ci95_after": [_greedy(after)["ci_low"], _greedy(after)["ci_high"]],
+        "sampled_success_before": (_sampled(before) or {}).get("success_rate"),
+        "sampled_success_after": (_sampled(after) or {}).get("success_rate"),
+        "eval_mazes": _greedy(after)["episodes"],
         "steps": result.steps_done,
         "wall_seconds": wall,
         "grpo_wall_seconds": result.wall_seconds,
@@ -179,8 +184,8 @@ def _plot_curves(history: list[dict], out: Path, before: dict, after: dict) -> P
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(steps, [h["success_ratio"] for h in history], label="rollout success")
     axes[0].plot(steps, [h["reward_mean"] for h in history], "--", label="reward mean")
-    axes[0].axhline(_greedy(before)["success"], color="gray", lw=0.8, ls=":", label="held-out greedy, SFT")
-    axes[0].axhline(_greedy(after)["success"], color="green", lw=0.8, ls=":", label="held-out greedy, after")
+    axes[0].axhline(_greedy(before)["success_rate"], color="gray", lw=0.8, ls=":", label="held-out greedy, SFT")
+    axes[0].axhline(_greedy(after)["success_rate"], color="green", lw=0.8, ls=":", label="held-out greedy, after")
     axes[0].set_ylim(-0.02, 1.02)
     axes[0].set_xlabel("GRPO step")
     axes[0].legend(fontsize=7)

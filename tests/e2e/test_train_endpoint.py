@@ -1,0 +1,114 @@
+"""`daedalus train` as the Ray job runs it: a real process, a real local Ray, the metrics and control endpoint.
+
+Scrapes /metrics while training and checks every metric of the table is exported and the training ones move;
+`POST /checkpoint` is 401 without (or with a wrong) token and, with it, returns a checkpoint written at the next
+step boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+from support.jobs import tiny_job_dict
+
+from daedalus_trainer.metrics import METRICS
+
+pytestmark = pytest.mark.slow
+TOKEN = "s3cret-token"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _samples(text: str) -> dict[str, float]:
+    """``{sample name: value}`` for the job's samples (histograms contribute _count/_sum/_bucket)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("job") == "e2e" and "le" not in s.labels:
+                out[s.name] = s.value
+    return out
+
+
+def _wait(pred, timeout: float, what: str, proc=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"trainer exited with {proc.returncode} while waiting for {what}")
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
+    job = tiny_job_dict(algorithm={"steps": 8}, checkpoint={"intervalSteps": 100})
+    job["spec"]["model"]["sftAdapter"] = str(sft_start)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(job))
+    port = _free_port()
+    env = dict(os.environ, DAEDALUS_METRICS_PORT=str(port), DAEDALUS_METRICS_HOST="127.0.0.1",
+               DAEDALUS_CONTROL_TOKEN=TOKEN, DAEDALUS_ATTEMPT="1", OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)
+    log = open(tmp_path / "trainer.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "daedalus_trainer", "train", "--config", str(cfg),
+                             "--out", str(tmp_path / "run")], env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def status():
+            try:
+                return requests.get(f"{base}/status", timeout=2).json()
+            except requests.RequestException:
+                return None
+
+        _wait(lambda: (status() or {}).get("step", 0) >= 1, 300, "the first step", proc)
+        first = _samples(requests.get(f"{base}/metrics", timeout=5).text)
+        assert requests.get(f"{base}/healthz", timeout=5).status_code == 200
+
+        # Authentication.
+        assert requests.post(f"{base}/checkpoint", timeout=10).status_code == 401
+        assert requests.post(f"{base}/checkpoint", headers={"Authorization": "Bearer wrong"},
+                             timeout=10).status_code == 401
+        before = status()["step"]
+        r = requests.post(f"{base}/checkpoint", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
+        assert r.status_code == 200, r.text
+        ck = r.json()
+        assert ck["step"] >= before
+        assert (Path(ck["path"]) / "MANIFEST.json").is_file()
+        assert status()["latestCheckpoint"]["step"] == ck["step"]
+
+        _wait(lambda: (status() or {}).get("step", 0) >= ck["step"] + 2, 300, "two more steps", proc)
+        second = _samples(requests.get(f"{base}/metrics", timeout=5).text)
+    finally:
+        proc.wait(timeout=600)
+        log.close()
+    assert proc.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+
+    # Every metric in the table is exported with the job's labels.
+    exported = {name.removesuffix("_total").removesuffix("_count") for name in second}
+    for spec in METRICS:
+        assert spec.name.removesuffix("_total") in exported, spec.name
+    # Training metrics move.
+    assert second["daedalus_train_step"] > first["daedalus_train_step"]
+    assert second["daedalus_rollout_tokens_total"] > first["daedalus_rollout_tokens_total"]
+    assert second["daedalus_rollout_seconds_count"] > first["daedalus_rollout_seconds_count"]
+    assert second["daedalus_checkpoint_last_step"] == ck["step"]
+    assert second["daedalus_checkpoint_bytes"] > 0
+    for name in ("daedalus_train_success_ratio", "daedalus_train_reward_mean", "daedalus_train_episode_turns",
+                 "daedalus_train_grad_norm", "daedalus_train_loss"):
+        assert math.isfinite(second[name]), name
+    assert (tmp_path / "run" / "exports" / "adapter" / "adapter_config.json").is_file()
