@@ -1,0 +1,117 @@
+"""submit.py against a real local Ray head: submit, duplicate id = already submitted, status, stop, logs, an
+unreachable dashboard; and the trainer control client against the stand-in trainer running as a real Ray job."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from daedalus_operator.plan import RayJobState
+from daedalus_operator.submit import CheckpointCalls, ControlError, RayJobs, RayUnreachable, TrainerControl
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+
+
+def wait_state(jobs: RayJobs, sid: str, states: set[RayJobState], timeout: float = 60.0) -> RayJobState:
+    deadline = time.monotonic() + timeout
+    state = jobs.status(sid).state
+    while state not in states and time.monotonic() < deadline:
+        time.sleep(0.3)
+        state = jobs.status(sid).state
+    return state
+
+
+def test_submit_duplicate_status_logs(ray_head) -> None:
+    jobs = RayJobs(ray_head.dashboard_url)
+    sid = f"t-dup-{time.time_ns()}-a1"
+    assert jobs.status(sid).state == RayJobState.NOT_FOUND
+    first = jobs.submit(sid, f"{sys.executable} -c \"import os; print('hello', os.environ['X_TEST'])\"",
+                        env_vars={"X_TEST": "42"}, metadata={"job": "t"})
+    assert first.created
+    again = jobs.submit(sid, "echo never-runs")
+    assert not again.created and again.submission_id == sid
+    assert wait_state(jobs, sid, {RayJobState.SUCCEEDED, RayJobState.FAILED}) == RayJobState.SUCCEEDED
+    assert "hello 42" in jobs.logs(sid)
+    assert "never-runs" not in jobs.logs(sid)
+    same = [j for j in jobs._c().list_jobs() if j.submission_id == sid]
+    assert len(same) == 1 and same[0].entrypoint.endswith("os.environ['X_TEST'])\"")
+
+
+def test_stop_and_failure_message(ray_head) -> None:
+    jobs = RayJobs(ray_head.dashboard_url)
+    sid = f"t-stop-{time.time_ns()}-a1"
+    jobs.submit(sid, f"{sys.executable} -c \"import time; time.sleep(120)\"")
+    assert wait_state(jobs, sid, {RayJobState.RUNNING}) == RayJobState.RUNNING
+    assert jobs.stop(sid) is True
+    assert wait_state(jobs, sid, {RayJobState.STOPPED, RayJobState.FAILED}) == RayJobState.STOPPED
+    assert jobs.stop(sid) is False  # already ended
+    assert jobs.stop("no-such-job-a1") is False
+    bad = f"t-fail-{time.time_ns()}-a1"
+    jobs.submit(bad, f"{sys.executable} -c \"raise SystemExit(3)\"")
+    assert wait_state(jobs, bad, {RayJobState.FAILED, RayJobState.SUCCEEDED}) == RayJobState.FAILED
+    assert "exit code 3" in jobs.status(bad).message
+
+
+def test_unreachable_dashboard_is_bounded() -> None:
+    from ray_head import free_port
+
+    jobs = RayJobs(f"http://127.0.0.1:{free_port()}", timeout=1.0)
+    t0 = time.monotonic()
+    obs = jobs.status("x-a1")
+    assert obs.state == RayJobState.UNREACHABLE and "unreachable" in obs.message
+    with pytest.raises(RayUnreachable):
+        jobs.submit("x-a1", "echo")
+    assert time.monotonic() - t0 < 10
+
+
+def test_control_client_against_standin_trainer(ray_head, tmp_path: Path) -> None:
+    from ray_head import free_port
+
+    port = free_port()
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    config = {"metadata": {"name": "ctl", "namespace": "ns"},
+              "spec": {"algorithm": {"steps": 200}, "checkpoint": {"path": str(tmp_path / "ckpt"), "intervalSteps": 50},
+                       "lora": {"rank": 4}}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    jobs = RayJobs(ray_head.dashboard_url)
+    sid = f"t-ctl-{time.time_ns()}-a1"
+    jobs.submit(sid, f"{sys.executable} {SUPPORT / 'standin_trainer.py'} --config {tmp_path / 'config.json'}",
+                env_vars={"DAEDALUS_METRICS_PORT": str(port), "DAEDALUS_CONTROL_TOKEN_FILE": str(token_file),
+                          "DAEDALUS_ATTEMPT": "1", "DAEDALUS_STANDIN_STEP_SECONDS": "0.2"})
+    try:
+        ctl = TrainerControl(f"http://127.0.0.1:{port}", token="s3cret")
+        deadline = time.monotonic() + 60
+        status = ctl.status()
+        while (not status.reachable or (status.step or 0) < 3) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status = ctl.status()
+        assert status.reachable and status.step >= 3 and status.attempt == 1 and status.total_steps == 200
+        with pytest.raises(ControlError) as err:
+            TrainerControl(ctl.url, token="wrong").checkpoint(5)
+        assert err.value.status == 401
+        with pytest.raises(ControlError) as err:
+            TrainerControl(ctl.url, token=None).checkpoint(5)
+        assert err.value.status == 401
+        before = ctl.status().step
+        doc = ctl.checkpoint(30)
+        assert doc["step"] > before and Path(doc["path"]).is_dir()
+        assert (tmp_path / "ckpt" / "ns" / "ctl" / "latest").read_text().strip() == Path(doc["path"]).name
+        assert ctl.status().checkpoint_step == doc["step"]
+        # the background variant used by the handlers
+        calls = CheckpointCalls()
+        assert calls.start(sid, ctl, 30) and not calls.start(sid, ctl, 30)  # one in flight per attempt
+        deadline = time.monotonic() + 30
+        while calls.get(sid).in_flight and time.monotonic() < deadline:
+            time.sleep(0.1)
+        result = calls.get(sid)
+        assert result.step is not None and result.step > doc["step"] and result.error is None
+    finally:
+        jobs.stop(sid)
+    assert wait_state(jobs, sid, {RayJobState.STOPPED, RayJobState.FAILED, RayJobState.SUCCEEDED}) in (
+        RayJobState.STOPPED, RayJobState.FAILED)
+    assert not TrainerControl(f"http://127.0.0.1:{port}").status().reachable

@@ -1,0 +1,142 @@
+"""A real local Ray head for a test session: ``ray start --head --block`` in its own process group.
+
+Why these choices (ENGINEERING-NOTES, "Ray job submission against a real local head"):
+
+- every port is picked free (several engineers share the machine): GCS outside Ray's default worker port range
+  10002-19999 (``ray start`` refuses it otherwise), dashboard, dashboard agent, runtime-env agent, client server,
+  metrics export, node and object manager;
+- a private ``--temp-dir`` so the head's ``ray_current_cluster`` file never makes someone else's ``ray.init()``
+  attach to this cluster;
+- the virtualenv's ``bin`` first on ``PATH`` so a job entrypoint ``python -m ...`` runs with the project installed;
+- ``RAY_AUTH_MODE=disabled``: Ray 2.60 enables token authentication whenever ``~/.ray/auth_token`` exists, and that
+  file is shared by everyone on the machine;
+- stopped by signalling its own process group (never ``ray stop``, which would kill every Ray on the machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port(lo: int | None = None, hi: int | None = None) -> int:
+    """A TCP port free on 127.0.0.1 right now (any, or within [lo, hi])."""
+    for _ in range(200):
+        port = 0 if lo is None else random.randint(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in [{lo}, {hi}]")
+
+
+@dataclasses.dataclass
+class RayHead:
+    """A running head: ``dashboard_url`` (``http://127.0.0.1:<port>``), ``gcs_address``, its process and temp dir."""
+
+    dashboard_port: int
+    gcs_port: int
+    temp_dir: Path
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @property
+    def gcs_address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the head's process group, SIGKILL after ``grace`` seconds; remove the temp dir."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # leftovers of the group (raylet, gcs, workers)
+        except (ProcessLookupError, PermissionError):
+            pass
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def start_ray_head(num_cpus: int = 2, timeout: float = 120.0, env: dict[str, str] | None = None) -> RayHead:
+    """Start a head and wait until its job API answers ``/api/version``.
+
+    Raises:
+        RuntimeError: the head exited or did not answer within ``timeout`` seconds (with the tail of its log).
+    """
+    venv_bin = Path(sys.executable).parent
+    ray = venv_bin / "ray"
+    temp_dir = Path(tempfile.mkdtemp(prefix="dray-", dir="/tmp"))
+    gcs = free_port(20000, 29999)
+    dash = free_port()
+    ports = {name: free_port() for name in ("client", "agent_http", "agent_grpc", "runtime_env", "metrics",
+                                             "node_manager", "object_manager")}
+    worker_lo = free_port(30000, 30999) // 10 * 10
+    cmd = [
+        str(ray), "start", "--head", "--block", "--disable-usage-stats",
+        f"--port={gcs}", f"--num-cpus={num_cpus}", "--num-gpus=0",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+        f"--ray-client-server-port={ports['client']}",
+        f"--dashboard-agent-listen-port={ports['agent_http']}", f"--dashboard-agent-grpc-port={ports['agent_grpc']}",
+        f"--runtime-env-agent-port={ports['runtime_env']}", f"--metrics-export-port={ports['metrics']}",
+        f"--node-manager-port={ports['node_manager']}", f"--object-manager-port={ports['object_manager']}",
+        f"--min-worker-port={worker_lo}", f"--max-worker-port={worker_lo + 99}",
+        f"--temp-dir={temp_dir}", "--node-ip-address=127.0.0.1",
+    ]
+    full_env = dict(os.environ)
+    full_env.update({"PATH": f"{venv_bin}:{full_env.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
+                     "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(temp_dir), "PYTHONUNBUFFERED": "1",
+                     # Ray >= 2.52 turns token auth on when ~/.ray/auth_token exists (a file shared by every
+                     # session on this machine); this head must not depend on it. Production clusters: see
+                     # KubeRay's spec.authOptions.
+                     "RAY_AUTH_MODE": "disabled"})
+    full_env.pop("RAY_ADDRESS", None)
+    full_env.update(env or {})
+    log_path = temp_dir / "ray-start.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                                cwd=str(temp_dir))
+    head = RayHead(dash, gcs, temp_dir, proc, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = head.log_tail()
+            head.stop()
+            raise RuntimeError(f"ray start exited with {proc.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(f"{head.dashboard_url}/api/version", timeout=2) as r:
+                if r.status == 200:
+                    return head
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    tail = head.log_tail()
+    head.stop()
+    raise RuntimeError(f"Ray head did not answer within {timeout:.0f} s:\n{tail}")
