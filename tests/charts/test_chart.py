@@ -224,7 +224,7 @@ def test_deployment_defaults(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert pod["serviceAccountName"] == one(rendered["defaults"], "ServiceAccount")["metadata"]["name"]
 
     (container,) = pod["containers"]
-    assert container["image"] == "daedalus-operator:0.1.0"     # tag defaults to appVersion
+    assert container["image"] == "ghcr.io/daedalus-rl/daedalus-operator:0.1.0"     # tag defaults to appVersion
     assert container["command"] == ["daedalus", "operator"]
     assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=9090",
                                  "--standalone", "--all-namespaces", "--log-format=full"]
@@ -257,7 +257,7 @@ def test_deployment_args_follow_values(rendered: dict[str, list[dict[str, Any]]]
     assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=9090",
                                  "--peering=daedalus", "--namespace=team-a", "--namespace=team-b",
                                  "--debug", "--log-format=json", "--priority=10"]
-    assert container["image"] == "daedalus-operator@sha256:" + "ab" * 32
+    assert container["image"] == "ghcr.io/daedalus-rl/daedalus-operator@sha256:" + "ab" * 32
     assert dep["spec"]["template"]["spec"]["tolerations"][0]["key"] == "sagemaker.amazonaws.com/node-health-status"
     sa = one(rendered["namespaced-all-on"], "ServiceAccount")
     assert sa["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"}
