@@ -283,6 +283,30 @@ class Policy:
             yield
 
     # -- batches ---------------------------------------------------------------------------------------------------
+    def encode_prompts(self, conversations: Sequence[list[dict[str, Any]]], images: Sequence[Sequence[Any]]) -> Any:
+        """:func:`daedalus_trainer.prompts.encode_prompts` with this policy's processor; the processed images are
+        remembered (see :meth:`process_images`), so collating the same turns later does not process them again."""
+        from daedalus_trainer import prompts
+
+        enc = prompts.encode_prompts(self.processor, conversations, images)
+        flat = [img for imgs in images for img in imgs]
+        if flat and "image_grid_thw" in enc:
+            sizes = [int(x) for x in enc["image_grid_thw"].prod(-1).tolist()]
+            for img, pv, grid in zip(flat, enc["pixel_values"].split(sizes), enc["image_grid_thw"]):
+                self._remember(self._image_key(img), (pv.clone(), grid[None].clone()))
+        return enc
+
+    @staticmethod
+    def _image_key(img: Any) -> tuple:
+        arr = np.asarray(img)
+        return (arr.shape, hashlib.blake2b(arr.tobytes(), digest_size=16).digest())
+
+    def _remember(self, key: tuple, value: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._image_cache[key] = value
+        self._image_cache.move_to_end(key)
+        if len(self._image_cache) > IMAGE_CACHE_SIZE:
+            self._image_cache.popitem(last=False)
+
     def process_images(self, images: Sequence[Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run the checkpoint's image processor: ``(pixel_values [P, D], image_grid_thw [N, 3])``, or ``(None, None)``.
 
@@ -293,17 +317,12 @@ class Policy:
             return None, None
         pv, grids = [], []
         for img in images:
-            arr = np.asarray(img)
-            key = (arr.shape, hashlib.blake2b(arr.tobytes(), digest_size=16).digest())
+            key = self._image_key(img)
             hit = self._image_cache.get(key)
             if hit is None:
-                out = self.processor.image_processor(images=[to_pil(arr)], return_tensors="pt")
+                out = self.processor.image_processor(images=[to_pil(img)], return_tensors="pt")
                 hit = (out["pixel_values"], out["image_grid_thw"])
-                self._image_cache[key] = hit
-                if len(self._image_cache) > IMAGE_CACHE_SIZE:
-                    self._image_cache.popitem(last=False)
-            else:
-                self._image_cache.move_to_end(key)
+            self._remember(key, hit)
             pv.append(hit[0])
             grids.append(hit[1])
         return torch.cat(pv), torch.cat(grids)

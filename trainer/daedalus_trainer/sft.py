@@ -101,7 +101,7 @@ def demo_actions(maze: Any, env_spec: Any) -> list[str]:
 
 def encode_turns(policy: Policy, turns: list[DemoTurn]) -> list[TokenSequence]:
     """Tokenize demonstration turns exactly as a rollout engine would (one processor call, padding stripped)."""
-    enc = prompts.encode_prompts(policy.processor, [t.messages for t in turns], [t.images for t in turns])
+    enc = policy.encode_prompts([t.messages for t in turns], [t.images for t in turns])
     out = []
     for i, t in enumerate(turns):
         ids = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
@@ -247,13 +247,21 @@ def run_sft(
     progress: bool = True,
     final_eval: bool = True,
     checkpoint_seconds: float = CHECKPOINT_SECONDS,
+    log_every: int = LOG_EVERY,
+    accuracy_turns: int = ACCURACY_TURNS,
 ) -> Path:
     """Run SFT for ``job`` (an ``RLTrainingJob``) into ``out_dir``; return the saved model (tiny) or adapter dir.
 
     Writes ``<out>/model`` (tiny: full checkpoint, loadable by :func:`daedalus_trainer.policy.load_pretrained`) or
     ``<out>/adapter`` (PEFT), ``<out>/sft_report.json`` (settings, steps, seconds, loss and step-accuracy history,
     layout report, final greedy evaluation) and, while running, ``<out>/checkpoint`` every ``checkpoint_seconds`` and
-    on interruption. With ``resume``, a finished run returns its result at once and an interrupted one continues.
+    on interruption. With ``resume``, a run whose budget is spent returns its result at once; an interrupted one (or
+    one whose ``steps`` / ``maxSeconds`` were raised since) continues from its checkpoint, with the same data and
+    optimizer state as an uninterrupted run.
+
+    Keyword args: ``progress`` (tqdm bar on stderr with loss, step accuracy, tokens/s and training seconds),
+    ``final_eval`` (greedy evaluation on the held-out set at the end, stored in the report), ``checkpoint_seconds``,
+    ``log_every`` (steps between step-accuracy measurements), ``accuracy_turns`` (held-out turns they use).
 
     Raises:
         daedalus_trainer.layouts.LayoutError: the evaluation set leaves too few training layouts.
@@ -265,10 +273,17 @@ def run_sft(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report_path = out_dir / REPORT_NAME
-    if resume and report_path.is_file():
+    max_steps, max_seconds = int(spec.sft.steps), float(spec.sft.max_seconds)
+
+    def exhausted(st: SFTState) -> bool:
+        return st.step >= max_steps or (max_seconds > 0 and st.seconds >= max_seconds)
+
+    ckpt = _find_checkpoint(out_dir) if resume else None
+    if ckpt is not None and report_path.is_file():  # finished before: done unless the budget was raised since
         done = json.loads(report_path.read_text())
         result = Path(done["result"])
-        if done.get("completed") and ((result / "config.json").is_file() or (result / "adapter_config.json").is_file()):
+        finished = (result / "config.json").is_file() or (result / "adapter_config.json").is_file()
+        if done.get("completed") and finished and exhausted(SFTState(**json.loads((ckpt / "state.json").read_text()))):
             return result
 
     layout_report = check_layouts(spec.environment)
@@ -280,11 +295,9 @@ def run_sft(
         optimizer.load_state_dict(opt_state)
     sampler = TrainingSampler.for_env(spec.environment, spec.sft.seed)
     source = DemoSource(policy, spec.environment, sampler, spec.sft.seed)
-    heldout = encode_turns(policy, heldout_turns(spec.environment, seed=spec.sft.seed))
-    max_steps, max_seconds = int(spec.sft.steps), float(spec.sft.max_seconds)
-
+    heldout = encode_turns(policy, heldout_turns(spec.environment, accuracy_turns, seed=spec.sft.seed))
     def budget_left() -> bool:
-        return state.step < max_steps and (max_seconds <= 0 or state.seconds < max_seconds)
+        return not exhausted(state)
 
     bar = tqdm(total=max_steps, initial=state.step, desc="sft", disable=not progress, dynamic_ncols=True,
                file=sys.stderr)
@@ -297,7 +310,7 @@ def run_sft(
             for g in optimizer.param_groups:
                 g["lr"] = _lr_at(state.step, spec.sft.learning_rate)
             logp = policy.response_logprobs(batch)  # [B, T], 0 off the assistant tokens
-            loss = -logp.sum() / batch.assistant_mask.sum()
+            loss = -logp.sum() / batch.assistant_mask.sum()  # token-mean NLL of the assistant tokens
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
@@ -307,13 +320,13 @@ def run_sft(
             state.tokens += n_tok
             dt = time.perf_counter() - t0
             state.seconds += dt
-            window_loss.append(float(loss))
+            window_loss.append(loss.detach().item())
             window_tokens += n_tok
             window_time += dt
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}", tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}",
+            bar.set_postfix(loss=f"{window_loss[-1]:.3f}", tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}",
                             s=f"{state.seconds:.0f}")
-            if state.step % LOG_EVERY == 0 or not budget_left():
+            if state.step % log_every == 0 or not budget_left():
                 t1 = time.perf_counter()
                 acc = step_accuracy(policy, heldout)
                 state.seconds += time.perf_counter() - t1

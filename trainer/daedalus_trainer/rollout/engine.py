@@ -18,7 +18,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from daedalus_trainer import prompts
 from daedalus_trainer.policy import Policy
 
 
@@ -156,7 +155,7 @@ class TransformersEngine:
     @torch.no_grad()
     def _generate(self, conversations, images, sampling: SamplingParams) -> list[Generation]:
         p = self.policy
-        enc = prompts.encode_prompts(p.processor, conversations, images).to(p.device)
+        enc = p.encode_prompts(conversations, images).to(p.device)
         if "pixel_values" in enc:
             enc["pixel_values"] = enc["pixel_values"].to(p.base_model.dtype)
         was_training = p.model.training

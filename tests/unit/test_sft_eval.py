@@ -1,0 +1,196 @@
+"""SFT and evaluation tests: demonstrations rendered like rollouts, resumable training, reports and GIFs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from support.tiny_model import (  # noqa: F401
+    ScriptedEngine,
+    make_tiny_job,
+    solver_reply,
+    tiny_checkpoint,
+    tiny_job,
+    tiny_policy,
+)
+
+from daedalus_trainer import evaluation, sft
+from daedalus_trainer.envs import maze_from_seed, solve
+from daedalus_trainer.evaluation import wilson_interval
+from daedalus_trainer.policy import load_pretrained
+from daedalus_trainer.rollout import SamplingParams, run_episodes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------------------------------- Wilson CI
+def _score_test_bounds(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson interval by its definition: the p with |k/n - p| <= z sqrt(p (1 - p) / n), found by bisection."""
+    inside = lambda p: abs(k / n - p) <= z * (p * (1 - p) / n) ** 0.5  # noqa: E731
+
+    def edge(lo: float, hi: float) -> float:  # lo outside, hi inside (or the reverse)
+        for _ in range(80):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if inside(mid) == inside(hi) else (mid, hi)
+        return (lo + hi) / 2
+
+    return (0.0 if k == 0 else edge(0.0, k / n)), (1.0 if k == n else edge(1.0, k / n))
+
+
+@pytest.mark.parametrize(("k", "n"), [(0, 10), (5, 10), (10, 10), (17, 64), (32, 64), (1, 3), (63, 64)])
+def test_wilson_interval_inverts_the_score_test(k, n):
+    lo, hi = wilson_interval(k, n)
+    want_lo, want_hi = _score_test_bounds(k, n)
+    assert lo == pytest.approx(want_lo, abs=1e-9) and hi == pytest.approx(want_hi, abs=1e-9)
+
+
+def test_wilson_interval_textbook_values():
+    # Brown, Cai & DasGupta (2001) / common tables: 0 of 10 -> [0, 0.2775]; 5 of 10 -> [0.2366, 0.7634]
+    assert wilson_interval(0, 10)[1] == pytest.approx(0.2775, abs=1e-4)
+    assert wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+
+
+def test_wilson_interval_edges():
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        wilson_interval(3, 2)
+
+
+# ------------------------------------------------------------------------------------------------ demonstrations
+@pytest.mark.parametrize("environment", [{}, {"historyTurns": 3, "observation": "image+ascii", "actionFormat": "tag"},
+                                         {"successOn": "arrival", "actionFormat": "tuple"}])
+def test_demonstrations_are_rendered_exactly_like_rollout_turns(tiny_policy, tiny_checkpoint, environment):
+    """An engine replying with the solver's moves produces, turn by turn, exactly the prompt and completion tokens
+    SFT trains on."""
+    job = make_tiny_job(tiny_checkpoint, environment=environment)
+    env = job.spec.environment
+    mazes = [maze_from_seed(7, s) for s in (1, 2)]
+    engine = ScriptedEngine(tiny_policy, lambda m, imgs: solver_reply(imgs[-1], 16, env.action_format))
+    trajs = run_episodes(engine, mazes, env, SamplingParams(0.0))
+    for maze, traj in zip(mazes, trajs):
+        assert traj.success
+        demo = sft.encode_turns(tiny_policy, sft.demonstration(maze, env))
+        assert len(demo) == traj.num_turns == len(solve(maze)) + (env.success_on == "stop-on-goal")
+        for seq, turn in zip(demo, traj.turns):
+            assert seq.prompt_ids == turn.prompt_ids
+            assert seq.completion_ids == turn.completion_ids
+            assert seq.completion_ids[-1] == tiny_policy.im_end_id
+            assert len(seq.images) == len(turn.images) and all((a == b).all() for a, b in zip(seq.images, turn.images))
+
+
+def test_demo_batches_are_deterministic_and_exclude_eval_layouts(tiny_policy, tiny_job):
+    from daedalus_trainer.layouts import TrainingSampler, eval_layout_hashes
+
+    sampler = TrainingSampler.for_env(tiny_job.spec.environment, 0)
+    source = sft.DemoSource(tiny_policy, tiny_job.spec.environment, sampler, seed=0)
+    a, b = source.batch(3, 6), source.batch(3, 6)
+    assert [s.input_ids for s in a] == [s.input_ids for s in b]
+    assert [s.input_ids for s in source.batch(4, 6)] != [s.input_ids for s in a]
+    assert not {m.layout_hash() for m in sampler.mazes(3, 6)} & eval_layout_hashes(tiny_job.spec.environment)
+
+
+# ---------------------------------------------------------------------------------------------------- SFT runs
+def _short_job(tiny_checkpoint, steps: int):
+    return make_tiny_job(None, sft={"steps": steps, "batchSize": 4, "learningRate": 0.003, "maxSeconds": 0},
+                         environment={"evalMazes": 16, "maxTurns": 4})
+
+
+def test_sft_trains_resumes_bit_exactly_and_eval_reproduces(tmp_path):
+    """Loss goes down on assistant tokens; 3 + 3 resumed steps give the same weights as 6 uninterrupted steps;
+    a finished run returns at once; run_eval on the saved model reproduces SFT's final evaluation."""
+    fast = {"progress": False, "accuracy_turns": 8}
+    full = sft.run_sft(_short_job(None, 6), tmp_path / "full", resume=False, final_eval=True, **fast)
+    report = json.loads((tmp_path / "full" / sft.REPORT_NAME).read_text())
+    assert report["steps"] == 6 and report["completed"] and report["settings"]["full_finetune"]
+    assert report["layouts"]["excluded"] == 16 and report["layouts"]["training"] == 176
+    assert report["history"][-1]["step"] == 6 and 0.0 <= report["history"][-1]["step_accuracy"] <= 1.0
+    assert (full / "config.json").is_file() and (tmp_path / "full" / "checkpoint" / "optimizer.pt").is_file()
+
+    half = tmp_path / "half"
+    sft.run_sft(_short_job(None, 3), half, resume=False, final_eval=False, **fast)
+    resumed = sft.run_sft(_short_job(None, 6), half, resume=True, final_eval=False, **fast)
+    a = load_pretrained(full, "float32", "cpu").model.state_dict()
+    b = load_pretrained(resumed, "float32", "cpu").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    base = load_pretrained(tmp_path / "full" / "tiny-base", "float32", "cpu").model.state_dict()
+    assert any(not torch.equal(a[k], base[k]) for k in a)  # the weights were trained
+
+    mtime = (full / "model.safetensors").stat().st_mtime_ns
+    assert sft.run_sft(_short_job(None, 6), tmp_path / "full", resume=True, **fast) == full
+    assert (full / "model.safetensors").stat().st_mtime_ns == mtime  # returned without training
+
+    rep = evaluation.run_eval(_short_job(None, 6), full, sampled=False)
+    assert rep.result("greedy").to_dict() | {"seconds": 0} == report["final_eval"] | {"seconds": 0}
+
+
+def test_sft_loss_decreases(tmp_path):
+    job = make_tiny_job(None, sft={"steps": 24, "batchSize": 4, "learningRate": 0.003, "maxSeconds": 0},
+                        environment={"evalMazes": 16})
+    sft.run_sft(job, tmp_path, resume=False, progress=False, final_eval=False, log_every=8, accuracy_turns=8)
+    history = json.loads((tmp_path / sft.REPORT_NAME).read_text())["history"]
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert len(losses) == 3 and losses[-1] < 0.5 * losses[0]
+
+
+# ------------------------------------------------------------------------------------------------- evaluation
+def test_run_eval_reports_json_table_and_gifs(tiny_checkpoint, tmp_path):
+    from rich.console import Console
+
+    job = make_tiny_job(None, environment={"evalMazes": 16, "maxTurns": 3})
+    rep = evaluation.run_eval(job, tiny_checkpoint, gif_dir=tmp_path / "gifs", n=4, gifs=2)
+    data = json.loads(rep.to_json())
+    assert data["mazes"] == 4 and [r["mode"] for r in data["results"]] == ["greedy", "sampled"]
+    for r in rep.results:
+        assert r.episodes == 4 and r.turns == 12 and r.mean_turns == 3.0
+        assert r.success_rate == 0.0 and r.ci_low == 0.0 and r.ci_high == pytest.approx(0.4899, abs=1e-4)
+        assert r.parse_failure_rate == 1.0 and r.optimal_ratio is None  # the random model writes no action
+    assert data["results"][1]["temperature"] == 1.0
+    assert len(rep.gifs) == 2
+    from PIL import Image
+
+    with Image.open(rep.gifs[0]) as im:
+        assert im.n_frames == 4  # 3 turns + the final picture
+    console = Console(record=True, width=200)
+    console.print(rep.table())
+    text = console.export_text()
+    assert "greedy" in text and "sampled (T=1)" in text and "0.0% (0/4)" in text and "192 possible layouts" in text
+
+
+def test_summarize_counts_turn_rates_and_optimal_ratio(tiny_policy, tiny_job):
+    env = tiny_job.spec.environment
+    mazes = [maze_from_seed(7, s) for s in range(3)]
+
+    def invalid_first_then_solve(messages, images):
+        first_turn = messages[-1]["content"][0]["type"] == "image"  # no feedback line before the picture yet
+        return "no idea" if first_turn else solver_reply(images[-1], 16)
+
+    trajs = run_episodes(ScriptedEngine(tiny_policy, invalid_first_then_solve), mazes, env, SamplingParams(0.0))
+    res = evaluation.summarize(trajs, "greedy", 0.0, env.success_on)
+    optimal = [len(solve(m)) + 1 for m in mazes]
+    assert res.success_rate == 1.0 and res.successes == 3
+    assert res.turns == sum(optimal) + 3
+    assert res.parse_failure_rate == pytest.approx(3 / res.turns)
+    assert res.optimal_ratio == pytest.approx(sum((o + 1) / o for o in optimal) / 3)
+    assert res.wall_bump_rate == 0.0
+
+
+# ------------------------------------------------------------------------------------------- acceptance (slow)
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DAEDALUS_SFT_ACCEPTANCE"),
+                    reason="~7-8 min: set DAEDALUS_SFT_ACCEPTANCE=1 to run the tiny SFT acceptance measurement")
+def test_local_tiny_sft_reaches_half_held_out_success(tmp_path):
+    """examples/local-tiny.yaml: SFT within its time budget (<= 6 min) reaches >= 50% greedy success on the 64
+    held-out size-7 mazes, and `daedalus eval` reproduces the figure from the saved checkpoint."""
+    from daedalus_trainer.config import load_job
+
+    job = load_job(ROOT / "examples" / "local-tiny.yaml")
+    assert job.spec.sft.max_seconds <= 360
+    model = sft.run_sft(job, tmp_path, resume=False, progress=False, final_eval=True)
+    report = json.loads((tmp_path / sft.REPORT_NAME).read_text())
+    assert report["seconds"] <= 360 + 5
+    assert report["final_eval"]["success_rate"] >= 0.5, report["final_eval"]
+    again = evaluation.run_eval(job, model, sampled=False)
+    assert again.result("greedy").success_rate == report["final_eval"]["success_rate"]
