@@ -1,0 +1,58 @@
+"""The deployment docs (docs/deploy.md, charts/daedalus/README.md) stay true: their manifests are valid Kubernetes
+objects and their `helm install/upgrade` commands render the chart."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from chartlib import CHART, REPO, Helm
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+DOCS = [REPO / "docs" / "deploy.md", CHART / "README.md"]
+
+
+def blocks(path: Path, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def test_deploy_doc_manifests_are_valid() -> None:
+    docs = [d for block in blocks(REPO / "docs" / "deploy.md", "yaml") for d in yaml.safe_load_all(block) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["PersistentVolume", "PersistentVolumeClaim", "Pod"], kinds
+    for doc in docs:
+        for version in ("1.29.0", "1.35.0"):
+            kubernetes_validate.validate(doc, version, strict=True)
+    claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
+    example = yaml.safe_load((REPO / "examples" / "hyperpod-qwen3vl-8b.yaml").read_text())
+    assert claim["metadata"]["name"] == example["spec"]["checkpoint"]["volume"]
+    assert claim["metadata"]["namespace"] == example["metadata"]["namespace"]
+
+
+def helm_commands(path: Path) -> list[list[str]]:
+    out = []
+    for block in blocks(path, "bash"):
+        for command in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(command, comments=True)
+            if words[:2] in (["helm", "install"], ["helm", "upgrade"]) and "charts/daedalus" in words:
+                out.append(words)
+    return out
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_documented_helm_commands_render(chart: Helm, path: Path) -> None:
+    commands = helm_commands(path)
+    assert commands, f"no helm install/upgrade command in {path}"
+    for words in commands:
+        sets = []
+        for i, word in enumerate(words):
+            if word in ("--set", "--set-string"):
+                value = words[i + 1].replace("$REGISTRY", "123456789012.dkr.ecr.us-west-2.amazonaws.com")
+                value = value.replace("<account>.dkr.ecr.<region>.amazonaws.com", "123456789012.dkr.ecr.us-west-2.amazonaws.com")
+                sets += [word, value]
+        proc = chart.run("template", "daedalus", str(CHART), "--namespace", "daedalus", *sets)
+        assert proc.returncode == 0, f"{' '.join(words)}\n{proc.stderr}"
