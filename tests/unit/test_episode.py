@@ -107,3 +107,15 @@ def test_trajectory_records_recompute_to_the_sampled_logprobs(tiny_policy, tiny_
                          SamplingParams(0.8, 1.0, 10), seed=11)
     assert [[t.completion_ids for t in tr.turns] for tr in again] == [[t.completion_ids for t in tr.turns]
                                                                         for tr in trajs]
+
+
+def test_vllm_engine_imports_lazily():
+    import importlib.util
+    import sys
+
+    from daedalus_trainer.rollout import vllm_engine
+
+    assert "vllm" not in sys.modules or importlib.util.find_spec("vllm") is not None
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ImportError, match="TransformersEngine on CPU"):
+            vllm_engine.VLLMEngine("/nonexistent")

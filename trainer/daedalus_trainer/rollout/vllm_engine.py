@@ -1,0 +1,157 @@
+"""vLLM rollout engine (GPU): offline ``vllm.LLM`` with LoRA adapters loaded per version.
+
+Imports vLLM only when an engine is constructed, so this module imports on machines without it (CPU CI). It is
+exercised only where vLLM and a GPU exist; the CPU path uses :class:`~daedalus_trainer.rollout.engine.
+TransformersEngine` behind the same :class:`~daedalus_trainer.rollout.engine.RolloutEngine` interface.
+
+Design (ENGINEERING-NOTES, "vLLM"):
+
+- New weights arrive as LoRA adapters: each :meth:`VLLMEngine.load_adapter` registers a new ``LoRARequest`` id
+  (``enable_lora``), so no in-place weight reload and no encoder-cache reset is needed. vLLM ignores LoRA on
+  Qwen3-VL's vision tower, which is why :func:`daedalus_trainer.policy.check_lora_targets` refuses vision targets.
+- Prompts are rendered with the checkpoint's chat template by :mod:`daedalus_trainer.prompts` (the same text the
+  transformers engine tokenizes); vLLM's processor expands the image pads, and the exact prompt tokens it used are
+  returned (``RequestOutput.prompt_token_ids``).
+- Vision special tokens get a logit bias of :data:`SUPPRESS_BIAS` (never sampled).
+- Log-probs: ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled token under the distribution it was
+  sampled from (after temperature, logit bias and top-p). With ``top_p = 1`` this equals the learner's
+  ``log softmax(z / T)`` except for the suppressed vision tokens' (negligible) mass; the GRPO learner may recompute
+  old log-probs itself when exactness matters.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from daedalus_trainer import prompts
+from daedalus_trainer.policy import ADAPTER_CONFIG, ADAPTER_WEIGHTS, to_pil
+from daedalus_trainer.rollout.engine import Generation, SamplingParams
+
+#: Logit bias that keeps vision special tokens from being sampled.
+SUPPRESS_BIAS = -100.0
+
+
+class VLLMEngine:
+    """:class:`~daedalus_trainer.rollout.engine.RolloutEngine` on vLLM's offline ``LLM``.
+
+    Args:
+        model_path: local checkpoint directory of the base model (no downloads).
+        history_turns: images per prompt at most (``limit_mm_per_prompt``).
+        max_lora_rank: largest adapter rank to serve.
+        dtype: ``bfloat16`` (default), ``float16`` or ``float32``.
+        gpu_memory_utilization / max_model_len / tensor_parallel_size / seed: passed to ``vllm.LLM``.
+        adapter_dir: where adapters given as state dicts are written (default: a temporary directory).
+        llm_kwargs: further ``vllm.LLM`` arguments.
+
+    Raises:
+        ImportError: vLLM is not installed (install the ``gpu`` extra).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        history_turns: int = 1,
+        max_lora_rank: int = 64,
+        dtype: str = "bfloat16",
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int = 8192,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        adapter_dir: str | Path | None = None,
+        **llm_kwargs: Any,
+    ):
+        try:
+            import vllm
+        except ImportError as exc:  # pragma: no cover - depends on the machine
+            raise ImportError(
+                "VLLMEngine needs vLLM (pip install 'daedalus[gpu]', GPU image); use TransformersEngine on CPU"
+            ) from exc
+        from transformers import AutoProcessor
+
+        self._vllm = vllm
+        self.model_path = str(model_path)
+        self.processor = AutoProcessor.from_pretrained(self.model_path, local_files_only=True)
+        tok = self.processor.tokenizer
+        vocab = tok.get_vocab()
+        from daedalus_trainer.tiny import ENDOFTEXT, IM_END, VISION_SPECIAL_TOKENS
+
+        self.suppressed_token_ids = sorted(vocab[t] for t in VISION_SPECIAL_TOKENS if t in vocab)
+        self.stop_token_ids = sorted({vocab[t] for t in (IM_END, ENDOFTEXT) if t in vocab})
+        self.llm = vllm.LLM(
+            model=self.model_path, dtype=dtype, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=2,
+            limit_mm_per_prompt={"image": max(1, int(history_turns))}, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed,
+            logprobs_mode="processed_logprobs", **llm_kwargs,
+        )
+        self.adapter_version = 0
+        self._lora_request: Any = None
+        self._adapter_config: dict[str, Any] | None = None
+        self._tmp = None if adapter_dir else tempfile.TemporaryDirectory(prefix="daedalus-adapters-")
+        self.adapter_dir = Path(adapter_dir) if adapter_dir else Path(self._tmp.name)
+
+    def load_adapter(self, path_or_state: str | Path | dict[str, Any], version: int) -> None:
+        """Serve this adapter from now on as LoRA id ``version + 1``.
+
+        A state dict (PEFT key names, as :meth:`daedalus_trainer.policy.Policy.adapter_state`) is written to
+        ``<adapter_dir>/v<version>`` with the ``adapter_config.json`` of the last adapter loaded from a directory.
+
+        Raises:
+            FileNotFoundError: a directory without ``adapter_config.json``.
+            ValueError: a state dict before any adapter directory was loaded (its config is unknown).
+        """
+        from vllm.lora.request import LoRARequest
+
+        if isinstance(path_or_state, (str, Path)):
+            path = Path(path_or_state)
+            if not (path / ADAPTER_CONFIG).is_file():
+                raise FileNotFoundError(f"{path} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+            self._adapter_config = json.loads((path / ADAPTER_CONFIG).read_text())
+        else:
+            if self._adapter_config is None:
+                raise ValueError("load an adapter directory first: a state dict carries no adapter_config.json")
+            from safetensors.torch import save_file
+
+            path = self.adapter_dir / f"v{int(version)}"
+            path.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in path_or_state.items()}, str(path / ADAPTER_WEIGHTS))
+            (path / ADAPTER_CONFIG).write_text(json.dumps(self._adapter_config))
+        self._lora_request = LoRARequest(f"daedalus-v{int(version)}", int(version) + 1, str(path))
+        self.adapter_version = int(version)
+
+    def generate(
+        self, conversations: Sequence[list[dict[str, Any]]], images: Sequence[Sequence[Any]], sampling: SamplingParams
+    ) -> list[Generation]:
+        """See :class:`~daedalus_trainer.rollout.engine.RolloutEngine`. Request ``i`` is seeded ``seed + i``.
+
+        Raises:
+            ValueError: ``len(images) != len(conversations)``.
+        """
+        if len(images) != len(conversations):
+            raise ValueError(f"{len(conversations)} conversations but {len(images)} image lists")
+        requests, params = [], []
+        for i, (messages, imgs) in enumerate(zip(conversations, images)):
+            req: dict[str, Any] = {"prompt": prompts.render(self.processor, messages)}
+            if imgs:
+                req["multi_modal_data"] = {"image": [to_pil(x) for x in imgs]}
+            requests.append(req)
+            params.append(self._vllm.SamplingParams(
+                temperature=sampling.temperature, top_p=1.0 if sampling.greedy else sampling.top_p, top_k=0,
+                max_tokens=sampling.max_tokens, logprobs=0, stop_token_ids=self.stop_token_ids,
+                skip_special_tokens=True, repetition_penalty=1.0,
+                logit_bias={t: SUPPRESS_BIAS for t in self.suppressed_token_ids} or None,
+                seed=None if sampling.seed is None else sampling.seed + i,
+            ))
+        outputs = self.llm.generate(requests, params, lora_request=self._lora_request, use_tqdm=False)
+        gens = []
+        for out, imgs in zip(outputs, images):
+            o = out.outputs[0]
+            ids = list(o.token_ids)  # vLLM keeps a stop *token* in token_ids (only stop strings are cut)
+            lps = [float(step[t].logprob) for step, t in zip(o.logprobs or [], ids)]
+            finish = "stop" if o.finish_reason == "stop" else "length"
+            gens.append(Generation(o.text, list(out.prompt_token_ids), ids, lps, finish, list(imgs)))
+        return gens
