@@ -6,8 +6,9 @@ rate()/increase() panels see increments exactly as they would in a cluster. A fi
 returns `Missing(reason)` and only the panels that need it skip.
 
 Today the trainer exporter drives the real `daedalus_trainer.metrics.TrainerMetrics` served by the trainer's real HTTP
-endpoint (`daedalus_trainer.server.TrainerServer`), and the operator exporter drives the real registry of
-`daedalus_operator.metrics.OperatorMetrics`. To prove the dashboards against a real (tiny) training run instead,
+endpoint (`daedalus_trainer.server.TrainerServer`), and the operator exporter drives the real
+`daedalus_operator.metrics.OperatorMetrics` (its `observe_job` bookkeeping and metric objects) served by its own
+`serve()`. To prove the dashboards against a real (tiny) training run instead,
 override `trainer_exporter` so that `drive()` runs a few steps of the trainer serving on `address`.
 """
 
@@ -25,9 +26,6 @@ from obslib import RULES, Prometheus, require_binary
 #: RLTrainingJob identity the exporters report (labels `job` and `namespace`).
 JOB = "maze-tiny"
 NAMESPACE = "ml-team"
-#: Failure reasons of restarts (daedalus_operator.api.Reason; DESIGN §3).
-RESTART_REASONS = ("NodeReplacement", "NodeReboot", "NodeLost", "WorkerLost", "HeadLost", "ClusterLost", "JobFailed",
-                   "JobStopped", "ApplicationError", "Hung")
 #: Seconds between driven events: more than the 1 s scrape interval, so every event lands in its own scrape.
 TICK = 1.1
 
@@ -98,13 +96,6 @@ def trainer_exporter() -> Iterator[Exporter | Missing]:
     stop()
 
 
-def _collectors(registry: Any) -> dict[str, Any]:
-    """Metric family name -> prometheus_client collector of a registry (counters under their `_total` name too)."""
-    # prometheus_client keeps this map on every CollectorRegistry; reading it drives the operator's own metric
-    # objects without depending on the shape of OperatorMetrics' recording methods.
-    return dict(registry._names_to_collectors)
-
-
 @pytest.fixture(scope="session")
 def operator_exporter() -> Iterator[Exporter | Missing]:
     try:
@@ -112,50 +103,29 @@ def operator_exporter() -> Iterator[Exporter | Missing]:
     except ImportError as exc:
         yield Missing(f"waiting for operator metrics module (daedalus_operator.metrics): {exc}")
         return
-    from obslib import OPERATOR_METRICS
-    from prometheus_client import start_http_server
-
     metrics = OperatorMetrics()
-    collectors = _collectors(metrics.registry)
-    absent = [name for name in OPERATOR_METRICS if name not in collectors]
-    if absent:
-        yield Missing(f"daedalus_operator.metrics lacks contract metrics {absent}")
-        return
-    # Operator start: every `result` child exists at 0 (Prometheus' "avoid missing metrics" practice), so rate()
-    # sees the first error; OperatorMetrics must do the same.
-    for result in ("ok", "error", "requeue"):
-        collectors["daedalus_operator_reconciles_total"].labels(result=result)
-    httpd, _ = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    metrics.serve(0, addr="127.0.0.1")
+    httpd = metrics._server[0]   # prometheus-client's (server, thread); the port is the bound one
 
     def drive() -> None:
-        c = collectors
-        # Job first seen: its restart children exist at 0 for every failure reason, so increase() counts the first
-        # restart of each reason; OperatorMetrics must do the same.
-        for reason in RESTART_REASONS:
-            c["daedalus_operator_restarts_total"].labels(namespace=NAMESPACE, job=JOB, reason=reason)
+        # One job's life as the operator records it: provisioning, running, a lost worker, recovery, running again.
         phases = ["Pending", "Provisioning", "Running", "Recovering", "Running", "Running"]
+        restarts = 0
         for tick, phase in enumerate(phases):
-            for p in ("Pending", "Provisioning", "Running", "Checkpointing", "Recovering", "Suspended",
-                      "Succeeded", "Failed"):
-                c["daedalus_operator_job_phase"].labels(namespace=NAMESPACE, job=JOB, phase=p).set(
-                    1 if p == phase else 0)
-                c["daedalus_operator_jobs"].labels(phase=p).set(1 if p == phase else 0)
-            c["daedalus_operator_reconciles_total"].labels(result="ok").inc(3)
-            c["daedalus_operator_reconciles_total"].labels(result="requeue").inc()
-            if tick == 3:  # a worker node lost: one recovery
-                c["daedalus_operator_reconciles_total"].labels(result="error").inc()
-                c["daedalus_operator_restarts_total"].labels(namespace=NAMESPACE, job=JOB, reason="WorkerLost").inc()
-                c["daedalus_operator_job_restarts"].labels(namespace=NAMESPACE, job=JOB).set(1)
+            if tick == 3:
+                metrics.restarts.labels(namespace=NAMESPACE, job=JOB, reason="WorkerLost").inc()
+                metrics.reconciles.labels(result="error").inc()
+                restarts += 1
             if tick == 4:
-                c["daedalus_operator_recovery_seconds"].observe(42.0)
-            if tick == 0:
-                c["daedalus_operator_job_restarts"].labels(namespace=NAMESPACE, job=JOB).set(0)
+                metrics.recovery_seconds.observe(42.0)
+            metrics.observe_job(NAMESPACE, JOB, phase, restarts)
+            metrics.reconciles.labels(result="requeue").inc(3)
             for seconds in (0.02, 0.05, 0.3):
-                c["daedalus_operator_reconcile_seconds"].observe(seconds)
+                metrics.reconcile_seconds.observe(seconds)
             time.sleep(TICK)
 
     yield Exporter(address=f"127.0.0.1:{httpd.server_port}", drive=drive)
-    httpd.shutdown()
+    metrics.shutdown()
 
 
 @pytest.fixture(scope="session")

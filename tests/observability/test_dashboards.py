@@ -164,3 +164,24 @@ def test_variable_queries_list_the_job(prometheus: Prometheus, exporters: dict[s
         selector = match.group(1).replace("$namespace", promql_regex(exporter.namespace))
         body = prometheus.get(f"/api/v1/label/{match.group(2)}/values", **{"match[]": selector})
         assert body["status"] == "success" and expected in body["data"], body
+
+
+# --- the contract the rules and dashboards are written against -------------------------------------------------------
+
+def test_contract_matches_the_trainer_metric_table() -> None:
+    """obslib's trainer contract is the trainer's own table (daedalus_trainer.metrics.METRICS): same names, types."""
+    metrics = pytest.importorskip("daedalus_trainer.metrics", reason="waiting for trainer metrics module")
+    assert {m.name: m.type for m in metrics.METRICS} == TRAINER_METRICS
+    assert tuple(metrics.LABELS) == ("job", "namespace")
+
+
+def test_contract_matches_the_operator_metrics() -> None:
+    """Every operator metric of the contract exists in OperatorMetrics' registry with the contract's labels."""
+    module = pytest.importorskip("daedalus_operator.metrics", reason="waiting for operator metrics module")
+    registry = module.OperatorMetrics().registry
+    families = {f.name: f.type for f in registry.collect()}
+    collectors = dict(registry._names_to_collectors)
+    for name, (kind, labels) in OPERATOR_METRICS.items():
+        family = name.removesuffix("_total") if kind == "counter" else name
+        assert families.get(family) == kind, (name, families.get(family))
+        assert tuple(collectors[name]._labelnames) == labels, name
