@@ -29,9 +29,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "namespaced": {"operator": {"watchNamespaces": NAMESPACES}},
     "cluster-all-on": {"operator": {"peering": {"enabled": True}}, **MONITORING,
                        "dashboards": {"annotations": {"grafana_folder": "Daedalus"}}},
-    "namespaced-all-on": {"operator": {"watchNamespaces": NAMESPACES, "peering": {"enabled": True},
-                                       "logLevel": "debug", "logFormat": "json", "extraArgs": ["--priority=10"]},
-                          **MONITORING,
+    "namespaced-all-on": {"operator": {"watchNamespaces": NAMESPACES, "peering": {"enabled": True, "priority": 10},
+                                       "logLevel": "debug", "extraArgs": ["--poll-interval=5"]},
+                          "metrics": {**MONITORING["metrics"], "prometheusNamespaces": ["monitoring"]},
+                          "prometheusRule": {"enabled": True},
                           "image": {"digest": "sha256:" + "ab" * 32},
                           "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"}},
                           "tolerations": [{"key": "sagemaker.amazonaws.com/node-health-status",
@@ -227,7 +228,10 @@ def test_deployment_defaults(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert container["image"] == "ghcr.io/daedalus-rl/daedalus-operator:0.1.0"     # tag defaults to appVersion
     assert container["command"] == ["daedalus", "operator"]
     assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=9090",
-                                 "--standalone", "--all-namespaces", "--log-format=full"]
+                                 "--standalone", "--all-namespaces", "--operator-namespace=daedalus",
+                                 "--operator-pod-label=app.kubernetes.io/component=operator",
+                                 "--operator-pod-label=app.kubernetes.io/instance=rel",
+                                 "--operator-pod-label=app.kubernetes.io/name=daedalus"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"health": 8080, "metrics": 9090}
     for probe in ("livenessProbe", "readinessProbe"):
@@ -255,12 +259,42 @@ def test_deployment_args_follow_values(rendered: dict[str, list[dict[str, Any]]]
     dep = one(rendered["namespaced-all-on"], "Deployment")
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=9090",
-                                 "--peering=daedalus", "--namespace=team-a", "--namespace=team-b",
-                                 "--debug", "--log-format=json", "--priority=10"]
+                                 "--peering=daedalus", "--priority=10", "--namespace=team-a", "--namespace=team-b",
+                                 "--operator-namespace=daedalus",
+                                 "--operator-pod-label=app.kubernetes.io/component=operator",
+                                 "--operator-pod-label=app.kubernetes.io/instance=rel",
+                                 "--operator-pod-label=app.kubernetes.io/name=daedalus",
+                                 "--metrics-namespace=monitoring", "--verbose", "--poll-interval=5"]
     assert container["image"] == "ghcr.io/daedalus-rl/daedalus-operator@sha256:" + "ab" * 32
     assert dep["spec"]["template"]["spec"]["tolerations"][0]["key"] == "sagemaker.amazonaws.com/node-health-status"
     sa = one(rendered["namespaced-all-on"], "ServiceAccount")
     assert sa["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_deployment_args_parse_with_the_operator_cli(rendered: dict[str, list[dict[str, Any]]], variant: str) -> None:
+    """The rendered command line is accepted by the operator's own argument parser and means what the values say;
+    the pod labels it passes are the operator pod's, so each job's NetworkPolicy admits this operator."""
+    main = pytest.importorskip("daedalus_operator.main", reason="waiting for the operator CLI module")
+    dep = one(rendered[variant], "Deployment")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["daedalus", "operator"]
+    args = main.build_parser().parse_args(container["args"])
+    values = VARIANTS[variant]
+    operator_values = values.get("operator", {})
+    assert args.namespace == operator_values.get("watchNamespaces", [])
+    assert args.all_namespaces is (not operator_values.get("watchNamespaces"))
+    assert args.liveness == "http://0.0.0.0:8080/healthz"
+    assert args.metrics_port == 9090
+    peering = operator_values.get("peering", {}).get("enabled", False)
+    assert (args.peering, args.standalone) == (("daedalus", False) if peering else (None, True))
+    assert args.operator_namespace == dep["metadata"]["namespace"]
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    selector = dict(label.split("=", 1) for label in args.operator_pod_label)
+    assert selector and selector.items() <= pod_labels.items()
+    assert selector == dep["spec"]["selector"]["matchLabels"]
+    assert args.metrics_namespace == values.get("metrics", {}).get("prometheusNamespaces", [])
+    assert args.verbose is (operator_values.get("logLevel") == "debug")
 
 
 # --- RBAC -----------------------------------------------------------------------------------------------------------

@@ -109,12 +109,17 @@ cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync 
   verbs: ["get", "list", "watch"]
 {{- end }}
 
-{{/* Command-line arguments of `daedalus operator` (kopf run flags). */}}
+{{/*
+Command-line arguments of `daedalus operator` (operator/daedalus_operator/main.py; tests/charts parse them with its
+argument parser). The operator writes each job's NetworkPolicy: it admits the pods with these labels in this
+namespace to the Ray dashboard and the trainer's port, and the --metrics-namespace namespaces to port 9400 only.
+*/}}
 {{- define "daedalus.operatorArgs" -}}
 - --liveness=http://0.0.0.0:{{ .Values.operator.healthPort }}/healthz
 - --metrics-port={{ .Values.operator.metricsPort }}
 {{- if .Values.operator.peering.enabled }}
 - --peering={{ .Values.operator.peering.name }}
+- --priority={{ .Values.operator.peering.priority }}
 {{- else }}
 - --standalone
 {{- end }}
@@ -125,14 +130,16 @@ cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync 
 {{- else }}
 - --all-namespaces
 {{- end }}
-{{- if eq .Values.operator.logLevel "verbose" }}
-- --verbose
-{{- else if eq .Values.operator.logLevel "debug" }}
-- --debug
-{{- else if eq .Values.operator.logLevel "quiet" }}
-- --quiet
+- --operator-namespace={{ .Release.Namespace }}
+{{- range $key, $value := (include "daedalus.selectorLabels" . | fromYaml) }}
+- --operator-pod-label={{ $key }}={{ $value }}
 {{- end }}
-- --log-format={{ .Values.operator.logFormat }}
+{{- range .Values.metrics.prometheusNamespaces }}
+- --metrics-namespace={{ . }}
+{{- end }}
+{{- if eq .Values.operator.logLevel "debug" }}
+- --verbose
+{{- end }}
 {{- range .Values.operator.extraArgs }}
 - {{ . | quote }}
 {{- end }}
