@@ -282,3 +282,13 @@ def test_sampling_params_validation():
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=0)
     assert SamplingParams(0.0).greedy and SamplingParams(0.0).logprob_temperature == 1.0
+
+
+def test_linear_patch_embedding_matches_the_convolution(tiny_policy):
+    from daedalus_trainer.policy import PatchLinearConv3d
+
+    conv = tiny_policy.base_model.model.visual.patch_embed.proj
+    assert type(conv) is PatchLinearConv3d
+    x = torch.randn(40, 3, 2, 16, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(conv(x), torch.nn.Conv3d.forward(conv, x), atol=1e-5)
+    assert set(tiny_policy.model.state_dict()) >= {"model.visual.patch_embed.proj.weight"}

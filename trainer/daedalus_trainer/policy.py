@@ -519,6 +519,34 @@ def check_lora_targets(model: torch.nn.Module, target_modules: Sequence[str] | s
     return sorted(selected)
 
 
+class PatchLinearConv3d(torch.nn.Conv3d):
+    """A ``Conv3d`` computed as one matrix product when its input is exactly one kernel (stride = kernel, no padding).
+
+    Qwen3-VL's patch embedding is such a convolution: each ``[3, 2, 16, 16]`` patch maps to one vector. On CPU,
+    oneDNN's Conv3d is ~4x slower than the equivalent ``linear`` for this shape (measured here, one thread, 2048
+    patches of the tiny model: forward + backward 56 ms vs 14 ms). Same
+    parameters and state-dict keys as ``Conv3d``; any other input shape falls back to the convolution.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        if (x.dim() == 5 and tuple(x.shape[2:]) == tuple(self.kernel_size) and tuple(self.stride) == tuple(
+                self.kernel_size) and self.groups == 1 and all(p == 0 for p in self.padding)):
+            out = torch.nn.functional.linear(x.reshape(x.shape[0], -1), self.weight.reshape(self.out_channels, -1),
+                                             self.bias)
+            return out.view(x.shape[0], self.out_channels, 1, 1, 1)
+        return super().forward(x)
+
+
+def use_linear_patch_embedding(model: torch.nn.Module) -> int:
+    """Switch the vision patch embedding's ``Conv3d`` to :class:`PatchLinearConv3d` in place; returns how many."""
+    n = 0
+    for name, module in model.named_modules():
+        if name.endswith("patch_embed.proj") and type(module) is torch.nn.Conv3d:
+            module.__class__ = PatchLinearConv3d
+            n += 1
+    return n
+
+
 def _is_vision_module(name: str) -> bool:
     parts = name.split(".")
     return "visual" in parts or "vision_tower" in parts
@@ -588,6 +616,7 @@ def load_pretrained(path: str | Path, dtype: str = "float32", device: torch.devi
     model = AutoModelForImageTextToText.from_pretrained(
         str(path), dtype=torch_dtype(dtype, dev), local_files_only=True
     ).to(dev)
+    use_linear_patch_embedding(model)
     processor = AutoProcessor.from_pretrained(str(path), local_files_only=True)
     if not hasattr(processor, "image_processor"):
         raise ValueError(f"{path}: AutoProcessor returned {type(processor).__name__}, not a vision-language processor")
