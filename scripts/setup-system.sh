@@ -14,7 +14,6 @@ if ! command -v promtool >/dev/null 2>&1; then
       >"$cache/apt-prometheus.log" 2>&1 || echo "setup: prometheus install failed (see $cache/apt-prometheus.log)"
     # The package starts a system daemon where an init system runs; the tests start their own servers.
     (service prometheus stop || systemctl stop prometheus) >/dev/null 2>&1 || true
-    pkill -x prometheus >/dev/null 2>&1 || true
   else
     echo "setup: promtool missing and apt-get unavailable (not root?): Prometheus tests will skip"
   fi

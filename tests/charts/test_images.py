@@ -140,9 +140,6 @@ def test_trainer_pins_agree_with_the_project(trainer: Any) -> None:
     assert Version(cpu["torch"]).release[:2] <= Version(args["TORCH_VERSION"]).release[:2]
 
 
-@pytest.mark.xfail(strict=True, reason="pyproject.toml pins torch==2.13.0 in the trainer extra, so "
-                   "`pip install .[trainer,gpu]` cannot resolve with vllm==0.33.0 (torch==2.14.0); the lead changes "
-                   "it to torch>=2.13,<2.15 (the CPU pin stays in constraints-cpu.txt). Remove this marker then.")
 def test_trainer_extra_admits_the_gpu_torch(trainer: Any) -> None:
     assert extra("trainer")["torch"].specifier.contains(trainer.args["TORCH_VERSION"])
 

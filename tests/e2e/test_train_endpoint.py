@@ -56,7 +56,7 @@ def _wait(pred, timeout: float, what: str, proc=None):
 
 
 def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
-    job = tiny_job_dict(algorithm={"steps": 8}, checkpoint={"intervalSteps": 100})
+    job = tiny_job_dict(algorithm={"steps": 8, "evalIntervalSteps": 2}, checkpoint={"intervalSteps": 100})
     job["spec"]["model"]["sftAdapter"] = str(sft_start)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(job))
@@ -108,6 +108,7 @@ def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
     assert second["daedalus_rollout_seconds_count"] > first["daedalus_rollout_seconds_count"]
     assert second["daedalus_checkpoint_last_step"] == ck["step"]
     assert second["daedalus_checkpoint_bytes"] > 0
+    assert 0.0 <= second["daedalus_eval_success_ratio"] <= 1.0
     for name in ("daedalus_train_success_ratio", "daedalus_train_reward_mean", "daedalus_train_episode_turns",
                  "daedalus_train_grad_norm", "daedalus_train_loss"):
         assert math.isfinite(second[name]), name

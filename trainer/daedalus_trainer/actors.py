@@ -87,6 +87,19 @@ class RolloutWorker:
             return run_episodes(self.engine, list(mazes), self.job.spec.environment, sampling, seed=seed)
 
 
+    def evaluate(self, mazes: Sequence[Any], adapter: dict[str, torch.Tensor], version: int) -> list[bool]:
+        """Greedy episodes on ``mazes`` with adapter ``version``; returns success per maze (held-out evaluation)."""
+        from daedalus_trainer.rollout.engine import SamplingParams
+        from daedalus_trainer.rollout.episode import run_episodes
+
+        if version != self.loaded_version:
+            self.engine.load_adapter(adapter, version)
+            self.loaded_version = version
+        greedy = SamplingParams(0.0, 1.0, self.job.spec.algorithm.max_tokens_per_turn)
+        with torch.no_grad():
+            return [bool(t.success) for t in run_episodes(self.engine, list(mazes), self.job.spec.environment, greedy)]
+
+
 @dataclass
 class UpdateStats:
     """What one learner update reports (floats; ``None`` when the update was skipped)."""

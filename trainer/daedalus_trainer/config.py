@@ -140,6 +140,9 @@ class AlgorithmSpec(_Model):
     """Number of GRPO optimizer steps."""
     seed: int = Field(0, ge=0)
     """Seed of maze sampling, rollouts and initialisation; a resumed run continues the same streams."""
+    eval_interval_steps: int = Field(0, ge=0)
+    """Greedy evaluation on the held-out mazes every N steps (metric `daedalus_eval_success_ratio`); 0: only after
+    the last step."""
 
 
 class EnvironmentSpec(_Model):

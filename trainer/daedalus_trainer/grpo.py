@@ -208,11 +208,12 @@ class Trainer:
         rollout_workers: number of rollout actors (default: 2 on CPU, one per GPU otherwise).
         control / metrics: shared with the HTTP endpoint (:mod:`daedalus_trainer.server`); created if None.
         on_step: called with each step's metrics dict (progress bars).
+        final_eval: evaluate the final adapter greedily on the held-out mazes (``daedalus_eval_success_ratio``).
     """
 
     def __init__(self, job, run_dir: str | Path, *, start_dir: str | None = None, work_dir: str | Path | None = None,
                  rollout_workers: int | None = None, control=None, metrics=None,
-                 on_step: Callable[[dict[str, Any]], None] | None = None):
+                 on_step: Callable[[dict[str, Any]], None] | None = None, final_eval: bool = True):
         from daedalus_trainer.metrics import TrainerMetrics
         from daedalus_trainer.server import ControlState
 
@@ -226,6 +227,8 @@ class Trainer:
         self.metrics = metrics or TrainerMetrics(job.metadata.name, job.metadata.namespace, total_steps=algo.steps,
                                                  checkpoint_interval=job.spec.checkpoint.interval_steps)
         self.on_step = on_step
+        self.final_eval = final_eval
+        self.final_eval_success: float | None = None
 
     # -- set-up ----------------------------------------------------------------------------------------------------
     def _actors(self):
@@ -329,6 +332,8 @@ class Trainer:
                 learner_seconds=update.seconds, kl=update.kl, loss=update.loss, grad_norm=update.grad_norm))
             self.control.set_status(step=step, success_ratio=record["success_ratio"],
                                     reward_mean=record["reward_mean"])
+            if algo.eval_interval_steps and step % algo.eval_interval_steps == 0 and step < algo.steps:
+                record["eval_success_ratio"] = self._evaluate(learner, workers, step)
             if self.on_step:
                 self.on_step(record)
             # checkpoint on the interval, on request (operator before a node replacement), at the end, before a stop
@@ -337,6 +342,8 @@ class Trainer:
                 latest = save(step)
         if not stopped and self.control.checkpoint_requested():
             latest = save(step)  # a request that arrived after the last step
+        if not stopped and self.final_eval and step == algo.steps:
+            self.final_eval_success = self._evaluate(learner, workers, step)
         adapter_dir = None
         if not stopped and latest is not None:
             adapter_dir = export_adapter(latest, self.run_dir / "exports" / "adapter")
@@ -345,6 +352,24 @@ class Trainer:
         for actor in [learner, *workers]:
             ray.kill(actor)
         return TrainResult(step, resumed_from, latest, adapter_dir, history, stopped, time.perf_counter() - started)
+
+    def _evaluate(self, learner, workers, step: int) -> float:
+        """Greedy success ratio of the current adapter on the held-out mazes, spread over the rollout workers."""
+        import ray
+
+        from daedalus_trainer.layouts import eval_mazes
+
+        self.control.set_status(phase="evaluating")
+        mazes = eval_mazes(self.job.spec.environment)
+        adapter_ref = learner.adapter_state.remote()
+        parts = _split(mazes, len(workers))
+        wins = [ok for chunk in ray.get([w.evaluate.remote(p, adapter_ref, step) for w, p in zip(workers, parts) if p])
+                for ok in chunk]
+        ratio = sum(wins) / len(wins)
+        self.metrics.observe_eval(ratio)
+        self.control.set_status(phase="training")
+        log.info("held-out greedy success at step %d: %.3f (%d mazes)", step, ratio, len(wins))
+        return ratio
 
 
 def _split(items: list, parts: int) -> list[list]:
