@@ -2,10 +2,15 @@
 # Build a real kube-apiserver and kube-controller-manager for the API-server test tier (tests/cluster/).
 #
 # Source: Debian's `kubernetes` source package (bookworm: 1.20.5+really1.20.2), built with Debian's golang-go
-# (1.19), plus Debian's etcd-server (3.4) from apt. One fix is applied to the vendored
-# github.com/modern-go/reflect2 v1.0.1: Go >= 1.18 changed reflect.mapiterinit to take the iterator as an
-# argument, and the old binding crashes the apiserver at the first map-valued (custom resource) write. The fix
-# is upstream reflect2 v1.0.2 (go_above_118.go / go_below_118.go and the full runtime `hiter` layout).
+# (1.19), plus Debian's etcd-server (3.4) from apt. Kubernetes 1.20 was released with Go 1.15; two vendored
+# libraries misbehave under a newer Go and are fixed here exactly as upstream fixed them:
+#  1. github.com/modern-go/reflect2 v1.0.1: Go >= 1.18 changed reflect.mapiterinit to take the iterator as an
+#     argument; the old binding crashes the apiserver at the first map-valued (custom resource) write.
+#     Fix = upstream reflect2 v1.0.2 (go_above_118.go / go_below_118.go and the full runtime `hiter` layout).
+#  2. go-openapi/validate and its kube-openapi fork (type.go): `reflect.DeepEqual(reflect.Zero(T), ValueOf(v))`
+#     became true for "" with Go >= 1.16, so every empty string in a custom resource (and every `default: ""`
+#     in a CRD schema) is rejected as "must be of type string: null". Fix = kube-openapi PR #230 /
+#     go-openapi/validate PR #138 (check `data == nil` only), as in Kubernetes 1.21 (kubernetes issue #99804).
 #
 # Result: ${DAEDALUS_CACHE:-~/.cache/daedalus}/kube-<version>/bin/{kube-apiserver,kube-controller-manager}
 # and a stamp file kube-<version>/stamp. Binaries never go into the working tree. Only these two commands are
@@ -24,6 +29,9 @@
 #   DAEDALUS_FORCE_BUILD=1 rebuild even when the stamp exists
 # When the build is impossible the reason is also written to $CACHE/kube-<version>.unavailable.
 set -euo pipefail
+
+# The whole script is one function, parsed before it runs: editing this file during a build is safe.
+main() {
 
 CACHE=${DAEDALUS_CACHE:-$HOME/.cache/daedalus}
 KUBE_VERSION=${DAEDALUS_KUBE_VERSION:-1.20.2}
@@ -123,7 +131,8 @@ DEB_VERSION=$(apt-cache showsrc kubernetes 2>/dev/null | awk '/^Version:/ {print
 [[ -n $DEB_VERSION ]] || die "Debian '$CODENAME' has no 'kubernetes' source package (bookworm has 1.20.2)"
 upstream=${DEB_VERSION#*:}; upstream=${upstream%-*}; upstream=${upstream##*really}
 [[ $upstream == "$KUBE_VERSION" ]] \
-  || die "Debian's kubernetes source is $DEB_VERSION (upstream $upstream), expected $KUBE_VERSION; set DAEDALUS_KUBE_VERSION to try it"
+  || die "Debian's kubernetes source is $DEB_VERSION (upstream $upstream), expected $KUBE_VERSION;" \
+         "set DAEDALUS_KUBE_VERSION to try it"
 log "source: Debian kubernetes $DEB_VERSION"
 
 rm -rf "$WORK"; mkdir -p "$WORK"
@@ -252,6 +261,15 @@ diff -ruN a/vendor/github.com/modern-go/reflect2/unsafe_map.go b/vendor/github.c
  	pKeyRType  unsafe.Pointer
 PATCH
 
+log "applying the empty-string validation fix for Go >= 1.16 (kube-openapi PR #230)"
+local zero_check='if data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data)) {'
+local f
+for f in vendor/k8s.io/kube-openapi/pkg/validation/validate/type.go vendor/github.com/go-openapi/validate/type.go; do
+  [[ $(grep -cF "$zero_check" "$f") == 1 ]] || die "$f: the zero-value check to fix was not found exactly once"
+  sed -i "s/$(sed 's/[][\\/.*^$]/\\&/g' <<<"$zero_check")/if data == nil {/" "$f"
+  ! grep -qF "$zero_check" "$f" || die "$f: the zero-value fix did not apply"
+done
+
 # debian/rules builds the same way: GOPATH symlink + `make WHAT=...`, CGO off.
 mkdir -p .go/src/k8s.io "$WORK/home" "$WORK/gocache"
 [[ -L .go/src/k8s.io/kubernetes ]] || ln -s ../../.. .go/src/k8s.io/kubernetes
@@ -278,7 +296,7 @@ reported=$("$tmp/bin/kube-apiserver" --version)
   echo "debian_version=$DEB_VERSION"
   echo "go_version=$(go version | awk '{print $3}')"
   echo "etcd_version=$(etcd --version | awk 'NR==1 {print $3}')"
-  echo "reflect2_fix=v1.0.2-mapiterinit"
+  echo "fixes=reflect2-v1.0.2-mapiterinit,kube-openapi-230-zero-value"
   echo "built_at=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "build_seconds=$(elapsed)"
   (cd "$tmp/bin" && sha256sum kube-apiserver kube-controller-manager | sed 's/^/sha256 /')
@@ -287,3 +305,6 @@ rm -rf "$DEST"; mv "$tmp" "$DEST"; rm -f "$REASON_FILE"
 cd "$CACHE"
 if [[ ${DAEDALUS_KEEP_BUILD:-0} != 1 ]]; then rm -rf "$WORK"; fi
 log "installed $reported into $DEST/bin in $(elapsed) s (stamp: $DEST/stamp)"
+}
+
+main "$@"
