@@ -11,21 +11,22 @@ Steps (each timed):
    12288, 32 heads / 8 KV heads x 128, vocab 151936, M-RoPE [24, 20, 20], rope theta 5e6; vision: 27 blocks, hidden
    1152, intermediate 4304, 16 heads, deepstack [8, 16, 24], 2304 position embeddings; sources in
    ``bench/checkpoint.py``), random bf16 weights, the project's locally built tokenizer and processor
-   (:mod:`daedalus_trainer.tiny`; Qwen's image settings: mean/std 0.5, at least 256x256 px per image), saved with
+   (:mod:`daedalus_trainer.tiny`, its vocabulary filled up to 151,936 decodable ids by :func:`extend_vocab`; Qwen's
+   image settings: mean/std 0.5, at least 256x256 px per image), saved with
    ``save_pretrained`` so vLLM and transformers load it like a real checkpoint.
-2. Rollout engine: vLLM (``LLM(enable_lora=True, max_lora_rank=32)``, started before the learner so that its memory
-   share is free) behind the project's ``RolloutEngine`` interface (:class:`VLLMRolloutEngine` below, a bench-local
-   adapter until ``daedalus_trainer.rollout.vllm_engine`` exists), or :class:`TransformersEngine` on the learner's own
-   policy.
+2. Rollout engine: :class:`daedalus_trainer.rollout.vllm_engine.VLLMEngine` (vLLM ``LLM(enable_lora=True)``, started
+   before the learner so that its memory share is free), or, where vLLM is not importable, :class:`TransformersEngine`
+   on the learner's own policy.
 3. Learner: :class:`daedalus_trainer.actors.Learner` (rank-32 LoRA on q/k/v/o/gate/up/down, AdamW) loads the
    checkpoint on the GPU.
-4. Per step: sync (``Learner.save_adapter`` -> engine ``load_adapter``), rollout (``run_episodes``: M mazes x G
+4. Per step: sync (the adapter as a PEFT directory at first, then ``Learner.adapter_state()`` -> engine
+   ``load_adapter``), rollout (``run_episodes``: M mazes x G
    episodes, size-9 mazes, 25 px cells, ``--max-turns`` turns), learner update (``Learner.update``). A random model
    never solves a maze, so every group would have zero reward variance and the update would be skipped: rewards are
    replaced by a fixed 0/1 pattern within each group, so that the update does its full work.
 
-Output: a per-step table and, last, ``gpu_rollout: <tokens/s> tokens/s (weight-streaming bound: <tokens/s>, <ratio>)``
-and ``gpu_step: <s> s (...)``; ``$OUT/gpu_bench.json`` (or ``--json``) holds every figure.
+Output: a line per step, then ``gpu_step: <s> s (anchor ...)`` and, last, ``gpu_rollout: <tokens/s> tokens/s
+(weight-streaming bound ...)``; ``$OUT/gpu_bench.json`` (or ``--json``) holds every figure.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+#: Qwen3-VL-8B-Instruct's text_config.vocab_size (embedding and lm_head rows).
+QWEN3_VL_VOCAB = 151936
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 #: Measured on this workplace's H200 (KINDS.md, 2026-10-28): device-to-device copy ~4.3 TB/s (read + write).
 H200_COPY_BYTES_PER_S = 4.3e12
@@ -73,7 +76,7 @@ def build_checkpoint(out: Path, scale: str, device: str) -> dict:
 
     t0 = time.perf_counter()
     spec = spec_for(scale)
-    tokenizer = tiny.train_tokenizer(spec)
+    tokenizer = extend_vocab(tiny.train_tokenizer(spec), QWEN3_VL_VOCAB)
     image_processor = tiny.build_image_processor(spec)
     try:  # the real processor class (vLLM loads it) needs a video processor, which needs torchvision (GPU image)
         import torchvision  # noqa: F401
@@ -88,8 +91,6 @@ def build_checkpoint(out: Path, scale: str, device: str) -> dict:
                                               chat_template=tiny.CHAT_TEMPLATE)
     config = tiny.build_config(spec, tokenizer)
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
-    if scale == "8b":
-        config.text_config.vocab_size = 151936  # the real vocabulary size (lm_head cost); the tokenizer is smaller
     config.text_config.dtype = config.dtype = str(dtype).removeprefix("torch.")
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -117,67 +118,40 @@ def build_checkpoint(out: Path, scale: str, device: str) -> dict:
             "tokenizer_size": len(tokenizer), "vocab_size": config.text_config.vocab_size}
 
 
-class VLLMRolloutEngine:
-    """The project's ``RolloutEngine`` interface on vLLM with dynamic LoRA (a bench-local adapter).
+def extend_vocab(tokenizer, size: int):
+    """The tokenizer with its BPE vocabulary filled up to ``size`` ids with unused byte-level strings.
 
-    Prompts are rendered with the checkpoint's chat template (:func:`daedalus_trainer.prompts.render`) and given to
-    vLLM as text with the images (vLLM's Qwen3-VL processor expands the image pads). Only token ids the tokenizer knows
-    are allowed (the random model's vocabulary is the real 151,936 while the local tokenizer is small), vision special
-    tokens excluded. Log-probs are vLLM's (``logprobs=0``: the sampled token's).
+    The random model samples from its whole 151,936-id vocabulary (the real Qwen3-VL size, which sets the lm_head cost),
+    while the locally trained tokenizer knows a few hundred tokens; vLLM's detokenizer fails or logs an error per token
+    for an id the tokenizer cannot map. Filler entries (3-character strings of the byte-level alphabet, no merges lead
+    to them) make every id decodable without changing how any text is encoded.
     """
+    import itertools
+    import json
 
-    def __init__(self, model_dir: Path, processor, rank: int, gpu_memory_utilization: float, max_num_seqs: int,
-                 max_model_len: int = 8192, enforce_eager: bool = False):
-        from vllm import LLM
+    from tokenizers import Tokenizer, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
-        from daedalus_trainer.tiny import VISION_SPECIAL_TOKENS
+    from daedalus_trainer import tiny
 
-        self.processor = processor
-        vocab = processor.tokenizer.get_vocab()
-        banned = {vocab[t] for t in VISION_SPECIAL_TOKENS if t in vocab}
-        self.allowed = [i for i in range(len(processor.tokenizer)) if i not in banned]
-        self.llm = LLM(model=str(model_dir), dtype="bfloat16", enable_lora=True, max_lora_rank=rank, max_loras=2,
-                       limit_mm_per_prompt={"image": 1, "video": 0}, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, seed=0)
-        self.lora = None
-        self.adapter_version = 0
-
-    def load_adapter(self, path_or_state, version: int) -> None:
-        """Use the PEFT adapter directory ``path_or_state`` (vLLM loads it at the next generate)."""
-        from vllm.lora.request import LoRARequest
-
-        if not isinstance(path_or_state, (str, Path)):
-            raise TypeError("the vLLM engine loads adapters from a PEFT directory")
-        self.lora = LoRARequest(f"adapter-v{version}", int(version) + 1, str(path_or_state))
-        self.adapter_version = int(version)
-
-    def generate(self, conversations, images, sampling):
-        from vllm import SamplingParams as VSamplingParams
-
-        from daedalus_trainer.policy import to_pil
-        from daedalus_trainer.prompts import render
-        from daedalus_trainer.rollout.engine import Generation
-
-        requests = []
-        for messages, imgs in zip(conversations, images):
-            req = {"prompt": render(self.processor, messages)}
-            if imgs:
-                req["multi_modal_data"] = {"image": [to_pil(i) for i in imgs]}
-            requests.append(req)
-        params = [VSamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens,
-                                  logprobs=0, allowed_token_ids=self.allowed,
-                                  seed=None if sampling.seed is None else sampling.seed + i)
-                  for i in range(len(requests))]
-        outs = self.llm.generate(requests, params, lora_request=self.lora, use_tqdm=False)
-        gens = []
-        for out, imgs in zip(outs, images):
-            c = out.outputs[0]
-            lps = [float(lp[t].logprob) for lp, t in zip(c.logprobs or [], c.token_ids)] if c.logprobs else []
-            gens.append(Generation(text=c.text, prompt_ids=list(out.prompt_token_ids), token_ids=list(c.token_ids),
-                                   logprobs=lps or [0.0] * len(c.token_ids),
-                                   finish_reason="stop" if c.finish_reason == "stop" else "length",
-                                   images=list(imgs)))
-        return gens
+    doc = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = doc["model"]["vocab"]
+    taken = set(vocab) | {a["content"] for a in doc["added_tokens"]}
+    next_id = max([*vocab.values(), *(a["id"] for a in doc["added_tokens"])]) + 1
+    for combo in itertools.product(sorted(pre_tokenizers.ByteLevel.alphabet()), repeat=3):
+        if next_id >= size:
+            break
+        piece = "".join(combo)
+        if piece not in taken:
+            vocab[piece] = next_id
+            next_id += 1
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(doc)), eos_token=tiny.IM_END, pad_token=tiny.ENDOFTEXT,
+        padding_side="left", additional_special_tokens=list(tiny.SPECIAL_TOKENS[1:]), chat_template=tiny.CHAT_TEMPLATE,
+    )
+    if len(fast) != size or fast.convert_tokens_to_ids(list(tiny.SPECIAL_TOKENS)) != list(range(len(tiny.SPECIAL_TOKENS))):
+        raise RuntimeError(f"vocabulary extension failed: {len(fast)} tokens")
+    return fast
 
 
 def main(argv=None) -> int:
@@ -253,12 +227,13 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         try:
             import vllm
-            from transformers import AutoProcessor
 
-            from daedalus_trainer import tiny  # noqa: F401  (registers the tiny processor class)
+            from daedalus_trainer.rollout.vllm_engine import VLLMEngine
 
-            engine = VLLMRolloutEngine(ckpt, AutoProcessor.from_pretrained(str(ckpt)), args.rank, args.gpu_mem,
-                                       max_num_seqs=n_episodes, enforce_eager=args.vllm_eager)
+            engine = VLLMEngine(ckpt, history_turns=env_spec.history_turns, max_lora_rank=args.rank,
+                                gpu_memory_utilization=args.gpu_mem, max_model_len=8192, seed=0,
+                                adapter_dir=work / "adapters", max_num_seqs=n_episodes,
+                                enforce_eager=args.vllm_eager)
             figures["engine"] = f"vllm {vllm.__version__}"
             figures["engine_start_s"] = time.perf_counter() - t
             log(f"engine: vLLM {vllm.__version__} started in {figures['engine_start_s']:.1f} s")
@@ -277,11 +252,14 @@ def main(argv=None) -> int:
         engine = TransformersEngine(learner.policy, max_batch=n_episodes)  # shares the learner's weights
 
     def sync(version: int) -> float:
+        """Publish the learner's adapter to the engine as in the trainer: PEFT directory first, then state dicts."""
         t0 = time.perf_counter()
         if isinstance(engine, TransformersEngine):
             engine.adapter_version = version  # same policy object: nothing to copy
+        elif version == 0:
+            engine.load_adapter(learner.save_adapter(str(work / "adapter-v0")), 0)
         else:
-            engine.load_adapter(learner.save_adapter(str(work / f"adapter-v{version}")), version)
+            engine.load_adapter(learner.adapter_state(), version)
         return time.perf_counter() - t0
 
     def cuda_sync():
