@@ -5,11 +5,9 @@ which produces the activity (steps, checkpoints, reconciles, restarts) once Prom
 rate()/increase() panels see increments exactly as they would in a cluster. A fixture that cannot build its exporter
 returns `Missing(reason)` and only the panels that need it skip.
 
-Today the trainer exporter drives the real `daedalus_trainer.metrics.TrainerMetrics` served by the trainer's real HTTP
-endpoint (`daedalus_trainer.server.TrainerServer`), and the operator exporter drives the real
-`daedalus_operator.metrics.OperatorMetrics` (its `observe_job` bookkeeping and metric objects) served by its own
-`serve()`. To prove the dashboards against a real (tiny) training run instead,
-override `trainer_exporter` so that `drive()` runs a few steps of the trainer serving on `address`.
+The trainer exporter is a real tiny training run (`daedalus train` in its own process, local Ray) serving its real
+endpoint; the operator exporter drives the real `daedalus_operator.metrics.OperatorMetrics` (its `observe_job`
+bookkeeping and metric objects) served by its own `serve()`.
 """
 
 from __future__ import annotations
@@ -47,53 +45,56 @@ class Missing:
     reason: str
 
 
-@dataclasses.dataclass
-class _Checkpoint:
-    """What TrainerMetrics.observe_checkpoint reads (checkpoint.CheckpointInfo has the same fields)."""
-
-    step: int
-    time: float
-    bytes: int
-    seconds: float
-
-
 @pytest.fixture(scope="session")
-def trainer_exporter() -> Iterator[Exporter | Missing]:
-    try:
-        from daedalus_trainer.metrics import StepStats, TrainerMetrics
-    except ImportError as exc:
-        yield Missing(f"waiting for trainer metrics module (daedalus_trainer.metrics): {exc}")
-        return
-    metrics = TrainerMetrics(JOB, NAMESPACE, total_steps=12, checkpoint_interval=2)
-    stop: Callable[[], None]
-    try:
-        from daedalus_trainer.server import ControlState, TrainerServer
-        server = TrainerServer(metrics, ControlState(total_steps=12), host="127.0.0.1", port=0).start()
-        address, stop = f"127.0.0.1:{server.port}", server.stop
-    except ImportError:  # the HTTP endpoint module is optional here: serve the same registry with prometheus-client
-        from prometheus_client import start_http_server
-        httpd, _ = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
-        address, stop = f"127.0.0.1:{httpd.server_port}", httpd.shutdown
+def trainer_exporter(sft_start, tmp_path_factory) -> Iterator[Exporter | Missing]:
+    """A real tiny training run: `daedalus train` as the Ray job runs it (its own process, a local Ray), 6 GRPO steps
+    from a short SFT start, a checkpoint every 2 steps, a held-out evaluation every 3; Prometheus scrapes its
+    endpoint while it trains. `drive()` waits for the run to finish."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from support.jobs import tiny_job_dict
+
+    # klCoef > 0 so the learner runs the reference forward and the KL panel has a real value.
+    job = tiny_job_dict(algorithm={"steps": 6, "evalIntervalSteps": 3, "klCoef": 0.01}, checkpoint={"intervalSteps": 2})
+    job["metadata"] = {"name": JOB, "namespace": NAMESPACE}
+    job["spec"]["model"]["sftAdapter"] = str(sft_start)
+    work = tmp_path_factory.mktemp("trainer-run")
+    (work / "config.json").write_text(json.dumps(job))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, DAEDALUS_METRICS_PORT=str(port), DAEDALUS_METRICS_HOST="127.0.0.1",
+               DAEDALUS_CONTROL_TOKEN="t", OMP_NUM_THREADS="1", DAEDALUS_METRICS_LINGER_SECONDS="900")
+    env.pop("RAY_ADDRESS", None)
+    log = open(work / "trainer.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "daedalus_trainer", "train", "--config", str(work / "config.json"),
+                             "--out", str(work / "run")], env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def drive() -> None:
-        # Six steps of a tiny CPU run (numbers in the range the tiny model shows), a checkpoint every 2 steps and an
-        # evaluation at steps 3 and 6.
-        for step in range(1, 7):
-            success = 0.25 + 0.05 * step
-            metrics.observe_step(StepStats(
-                step=step, success_ratio=success, reward_mean=success, episode_turns=6.0 - 0.3 * step,
-                rollout_tokens=640 + 8 * step, zero_variance_groups=1 if step % 3 else 0,
-                rollout_seconds=0.8 + 0.01 * step, learner_seconds=0.12, kl=0.001 * step,
-                loss=0.05 - 0.004 * step, grad_norm=0.9 - 0.05 * step))
-            if step % 2 == 0:
-                metrics.observe_checkpoint(_Checkpoint(step=step, time=time.time(), bytes=3_400_000 + step,
-                                                       seconds=0.04 + 0.001 * step))
-            if step % 3 == 0:
-                metrics.observe_eval(0.2 + 0.05 * step)
-            time.sleep(TICK)
+        import requests
 
-    yield Exporter(address=address, drive=drive)
-    stop()
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (work / "trainer.log").read_text()[-3000:]
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/status", timeout=2).json()["phase"] == "finished":
+                    return  # the process lingers, serving its final figures to Prometheus
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise AssertionError("the training run did not finish in 900 s")
+
+    try:
+        yield Exporter(address=f"127.0.0.1:{port}", drive=drive)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
 
 
 @pytest.fixture(scope="session")

@@ -240,7 +240,8 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         self.policy.model.eval()
         return UpdateStats(
-            loss=loss_sum, kl=kl_sum / max(total_tokens, 1), grad_norm=grad_norm,
+            # Without a KL term no reference forward runs: report no KL rather than a made-up 0.
+            loss=loss_sum, kl=kl_sum / max(total_tokens, 1) if use_kl else None, grad_norm=grad_norm,
             clip_fraction=clip_sum / max(total_tokens, 1), tokens=total_tokens, sequences=sequences,
             zero_variance_groups=n_zero, skipped=not math.isfinite(grad_norm), seconds=time.perf_counter() - started,
         )

@@ -442,7 +442,8 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     ``python -m daedalus_trainer train --config /etc/daedalus/config.json --resume latest``).
 
     Serves metrics and control on ``DAEDALUS_METRICS_PORT`` (default 9400) on all interfaces, reads the control token
-    from ``DAEDALUS_CONTROL_TOKEN`` / ``DAEDALUS_CONTROL_TOKEN_FILE`` and the attempt from ``DAEDALUS_ATTEMPT``.
+    from ``DAEDALUS_CONTROL_TOKEN`` / ``DAEDALUS_CONTROL_TOKEN_FILE`` and the attempt from ``DAEDALUS_ATTEMPT``;
+    ``DAEDALUS_METRICS_LINGER_SECONDS`` keeps the endpoint up that long after the last step (a final scrape).
     Returns 0 when the run finished or was stopped on request (the operator resubmits with resume), raises otherwise.
     """
     from daedalus_trainer.config import load_job
@@ -463,6 +464,11 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
         except BaseException:
             trainer.control.set_status(phase="failed")
             raise
+        # Keep serving the final figures for a last Prometheus scrape before the process (and the pod's port) goes.
+        linger = float(os.environ.get("DAEDALUS_METRICS_LINGER_SECONDS", "0"))
+        if linger > 0:
+            log.info("serving final metrics for %.0f s", linger)
+            time.sleep(linger)
     log.info("training %s at step %d (%.0f s)", "stopped" if result.stopped else "finished", result.steps_done,
              result.wall_seconds)
     return 0
