@@ -35,6 +35,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(
             f"control plane: kube-apiserver {plane.binaries.version} (Debian {stamp.get('debian_version', '?')},"
             f" {stamp.get('go_version', '?')}) + etcd {plane.binaries.etcd}; started in {plane.startup_seconds:.1f} s"
+            f" ({', '.join(f'{k} {v:.1f}' for k, v in plane.startup_phases.items())})"
         )
 
 

@@ -28,6 +28,7 @@ Flags follow the kube-apiserver / kube-controller-manager 1.20 command-line refe
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import ipaddress
@@ -249,7 +250,8 @@ class ControlPlane:
     """etcd + kube-apiserver + kube-controller-manager on loopback; see the module docstring.
 
     Use as a context manager or call `start` / `stop`. After `start`: `server` (``https://127.0.0.1:<port>``),
-    `kubeconfig` (admin, ``system:masters``), `ca_file`, `startup_seconds` (wall time of `start`).
+    `kubeconfig` (admin, ``system:masters``), `ca_file`, `startup_seconds` (wall time of `start`) and
+    `startup_phases` (seconds per phase: pki, etcd, kube-apiserver, crds, kube-controller-manager).
 
     Args:
         binaries: from `find_binaries` (default: looked up at construction).
@@ -278,6 +280,7 @@ class ControlPlane:
         self.kubeconfig: Path | None = None
         self.ca_file: Path | None = None
         self.startup_seconds = 0.0
+        self.startup_phases: dict[str, float] = {}  # seconds per start-up phase, in order
         self._procs: dict[str, subprocess.Popen] = {}
         self._logs: dict[str, Path] = {}
         self._etcd_data: Path | None = None
@@ -301,12 +304,23 @@ class ControlPlane:
         """
         began = time.monotonic()
         deadline = began + timeout
+        atexit.register(self.stop)  # no orphaned servers if the interpreter exits without calling stop()
         self.dir = Path(tempfile.mkdtemp(prefix="daedalus-kube-", dir=self._parent))
         (self.dir / "logs").mkdir()
+        mark = time.monotonic()
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            self.startup_phases[name] = now - mark
+            mark = now
+
         try:
             pki = _Pki(self.dir / "pki")
             self.ca_file = pki.ca
+            phase("pki")
             etcd_url = self._start_etcd(deadline)
+            phase("etcd")
             port = free_port()
             self.server = f"https://127.0.0.1:{port}"
             self._start_apiserver(pki, etcd_url, port)
@@ -317,7 +331,9 @@ class ControlPlane:
                 {"client-certificate": str(pki.admin.cert), "client-key": str(pki.admin.key)},
             )
             self._wait_ready(pki, deadline)
+            phase("kube-apiserver")
             self.install_crds(self._crds, timeout=max(1.0, deadline - time.monotonic()))
+            phase("crds")
             kcm_config = self.dir / "controller-manager.kubeconfig"
             self._write_kubeconfig(
                 kcm_config,
@@ -326,6 +342,7 @@ class ControlPlane:
             )
             self._start_controller_manager(pki, kcm_config)
             self._wait_default_service_account(deadline)
+            phase("kube-controller-manager")
         except BaseException:
             self.stop()
             raise
@@ -336,6 +353,7 @@ class ControlPlane:
 
         Each gets SIGTERM and ``grace`` seconds, then SIGKILL. Safe to call twice.
         """
+        atexit.unregister(self.stop)
         for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
             proc = self._procs.pop(name, None)
             if proc is None or proc.poll() is not None:
