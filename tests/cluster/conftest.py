@@ -1,8 +1,9 @@
 """Fixtures of the real API-server tier: one control plane (etcd + kube-apiserver 1.20 + kube-controller-manager)
 per test session, an admin client, a fresh namespace per test, and the KubeRay RayCluster CRD.
 
-Without the binaries (``make kube-bins`` / ``scripts/build-kube.sh`` builds them) every test here is skipped with
-the reason; with ``DAEDALUS_REQUIRE_CLUSTER=1`` it fails instead, so CI can insist on the tier.
+Without the binaries (built by ``scripts/build-kube.sh``, which ``make test`` runs via ``make system-deps``) every
+test here is skipped with the reason; with ``DAEDALUS_REQUIRE_CLUSTER=1`` (or CI's ``DAEDALUS_REQUIRE_TOOLS=1``) it
+fails instead.
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ def control_plane(raycluster_crd):
     """The session's `ControlPlane` (started once, stopped at the end of the session), with the RayCluster CRD.
 
     Skips every dependent test with the reason when the binaries are missing, unless
-    ``DAEDALUS_REQUIRE_CLUSTER=1`` (then fails).
+    ``DAEDALUS_REQUIRE_CLUSTER=1`` or ``DAEDALUS_REQUIRE_TOOLS=1`` (set by .ci/run): then fails.
     """
     try:
         binaries = find_binaries()
     except ControlPlaneUnavailable as err:
-        if os.environ.get("DAEDALUS_REQUIRE_CLUSTER") == "1":
-            pytest.fail(f"DAEDALUS_REQUIRE_CLUSTER=1 but the API-server tier cannot run: {err}", pytrace=False)
+        required = [v for v in ("DAEDALUS_REQUIRE_CLUSTER", "DAEDALUS_REQUIRE_TOOLS") if os.environ.get(v) == "1"]
+        if required:
+            pytest.fail(f"{required[0]}=1 but the API-server tier cannot run: {err}", pytrace=False)
         pytest.skip(f"real API-server tier skipped: {err}")
     plane = ControlPlane(binaries, crds=[raycluster_crd[0]])
     plane.start()

@@ -95,7 +95,7 @@ def find_binaries() -> Binaries:
     explicit = os.environ.get("DAEDALUS_KUBE_BIN")
     bin_dir = Path(explicit) if explicit else cache_dir() / f"kube-{version}" / "bin"
     stamp_path = bin_dir.parent / "stamp"
-    hint = "run `make kube-bins` (scripts/build-kube.sh, about 6 min on 2 cores)"
+    hint = "run `bash scripts/build-kube.sh` (or `make system-deps`; about 6 min on 2 idle cores)"
     missing = [
         name for name in ("kube-apiserver", "kube-controller-manager") if not os.access(bin_dir / name, os.X_OK)
     ]
@@ -109,7 +109,7 @@ def find_binaries() -> Binaries:
         raise ControlPlaneUnavailable(f"{stamp_path} missing (interrupted build?); {hint}")
     etcd = os.environ.get("DAEDALUS_ETCD") or shutil.which("etcd")
     if not etcd:
-        raise ControlPlaneUnavailable("etcd not found on PATH; `apt-get install etcd-server` (or make kube-bins)")
+        raise ControlPlaneUnavailable("etcd not found on PATH; `apt-get install etcd-server` (build-kube.sh does)")
     stamp: dict[str, str] = {}
     if stamp_path.is_file():
         for line in stamp_path.read_text().splitlines():
