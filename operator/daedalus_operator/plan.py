@@ -172,7 +172,9 @@ class Observed:
 @dataclasses.dataclass(frozen=True)
 class JobView:
     """The RLTrainingJob as the planner sees it: identity, the validated spec (``None`` when invalid, with
-    ``spec_errors`` as ``(field path, message)`` pairs) and the last written status."""
+    ``spec_errors`` as ``(field path, message)`` pairs), the last written status, and the object-store URI the exported
+    adapter is mirrored to for serving (annotation ``daedalus.dev/serving-lora-uri``; Ray Serve LLM loads dynamic LoRA
+    adapters from object storage only)."""
 
     name: str
     namespace: str
@@ -181,6 +183,7 @@ class JobView:
     spec: RLTrainingJobSpec | None
     status: RLTrainingJobStatus
     spec_errors: tuple[tuple[str, str], ...] = ()
+    serving_lora_uri: str | None = None
 
     @property
     def expected_pods(self) -> int:
@@ -220,10 +223,13 @@ class Submit:
 
 @dataclasses.dataclass(frozen=True)
 class RequestCheckpoint:
-    """``POST /checkpoint`` to the trainer of ``submission_id`` (in the background; the result is observed later)."""
+    """Ask the trainer of ``submission_id`` for a checkpoint at its next step boundary, in the background (the result
+    is observed later). ``stop``: ``POST /stop`` - checkpoint, then exit cleanly, so no step runs after the checkpoint
+    (zero lost steps); otherwise ``POST /checkpoint``."""
 
     submission_id: str
     target_step: int
+    stop: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,13 +465,20 @@ class _Builder:
         adapter = self.o.trainer.adapter_path if self.o.trainer.reachable and self.o.trainer.adapter_path else (
             self.st.adapter_path or api.adapter_export_path(self.spec.checkpoint.path, self.job.namespace,
                                                             self.job.name))
-        self.set(completion_time=self.now_s(), adapter_path=adapter, recovery=None, unreachable_since=None)
+        # The Ray job succeeded: the trainer's entrypoint exited 0, which it does only after the last step.
+        self.set(completion_time=self.now_s(), adapter_path=adapter, recovery=None, unreachable_since=None,
+                 current_step=max(self.st.current_step, self.spec.algorithm.steps))
         if self.o.cluster.exists and not self.o.cluster.deleting:
             self.act(DeleteCluster())
         self.to(Phase.SUCCEEDED, Reason.SUCCEEDED, f"training finished; adapter exported to {adapter}")
         if self.spec.serving.enabled and not self.o.serving_exists:
-            self.set(serving_name=api.rayservice_name(self.job.name))
-            self.act(EnsureServing(adapter))
+            if self.job.serving_lora_uri:
+                self.set(serving_name=api.rayservice_name(self.job.name))
+                self.act(EnsureServing(adapter))
+            else:
+                self.event("ServingNotConfigured", "spec.serving.enabled but no object-store mirror of the exported "
+                           "adapter: set annotation daedalus.dev/serving-lora-uri (Ray Serve LLM loads dynamic LoRA "
+                           "adapters from s3://, gs://, abfss:// or azure:// only)", EventType.WARNING)
         return self.done()
 
     def progress(self) -> None:
@@ -616,26 +629,27 @@ def _checkpointing(b: _Builder) -> Plan:
     st, o = b.st, b.o
     j = o.ray_job
     rec = b.recovery()
-    if j.state == RayJobState.SUCCEEDED:
-        return b.succeed()
     target = rec.checkpoint_target_step or 0
     steps = [s for s in (o.trainer.checkpoint_step if o.trainer.reachable else None, o.checkpoint_call.step)
              if s is not None]
     done = max(steps) if steps else None
-    if not j.state.active:
+    if j.state == RayJobState.SUCCEEDED and _finished(b, done):
+        return b.succeed()
+    if not j.state.active:  # ended: on our POST /stop (exit 0 after the checkpoint), or failed meanwhile
         rec.stop_requested_at = rec.stop_requested_at or b.now_s()
         b.set(recovery=rec)
-        b.to(Phase.RECOVERING, Reason.RECOVERING,
-             f"the Ray job ended ({j.state.value}) before the checkpoint was written")
+        if done is not None and done >= target:
+            _record_checkpoint(b, done)
+            b.to(Phase.RECOVERING, Reason.RECOVERING,
+                 f"attempt {st.attempt} stopped after its checkpoint at step {done} ({rec.reason})")
+        else:
+            b.to(Phase.RECOVERING, Reason.RECOVERING,
+                 f"the Ray job ended ({j.state.value}) before the checkpoint was written")
         return b.requeue(0)
     waited = b.seconds_since(rec.checkpoint_requested_at) or 0.0
     timeout = b.spec.resilience.checkpoint_timeout_seconds
     if done is not None and done >= target:
-        path = o.checkpoint_call.path if o.checkpoint_call.step == done else (
-            (o.trainer.latest_checkpoint or {}).get("path"))
-        if st.latest_checkpoint is None or st.latest_checkpoint.step < done:
-            b.set(latest_checkpoint=CheckpointRef(step=done, path=path or "",
-                                                  time=(o.trainer.latest_checkpoint or {}).get("time")))
+        path = _record_checkpoint(b, done)
         b.event("CheckpointTaken", f"checkpoint at step {done} written ({path}); stopping attempt {st.attempt}")
     elif o.checkpoint_call.error:
         b.event("CheckpointFailed", f"checkpoint request failed: {o.checkpoint_call.error}; stopping anyway",
@@ -654,12 +668,34 @@ def _checkpointing(b: _Builder) -> Plan:
     return b.requeue()
 
 
+def _finished(b: _Builder, checkpoint_step: int | None = None) -> bool:
+    """True when every step is done (a Ray job that exits 0 after our POST /stop is not a finished training)."""
+    assert b.spec is not None
+    known = [b.st.current_step, checkpoint_step or 0, b.st.latest_checkpoint.step if b.st.latest_checkpoint else 0]
+    if b.o.trainer.reachable and b.o.trainer.step is not None:
+        known.append(b.o.trainer.step)
+    return max(known) >= b.spec.algorithm.steps
+
+
+def _record_checkpoint(b: _Builder, step: int) -> str:
+    """Record the checkpoint at ``step`` as the latest (from the call's answer or the trainer's status); its path."""
+    o = b.o
+    path = o.checkpoint_call.path if o.checkpoint_call.step == step else (o.trainer.latest_checkpoint or {}).get("path")
+    latest = b.get("latest_checkpoint")
+    if latest is None or latest.step < step:
+        b.set(latest_checkpoint=CheckpointRef(step=step, path=path or "",
+                                              time=(o.trainer.latest_checkpoint or {}).get("time")))
+    return path or ""
+
+
 def _recovering(b: _Builder) -> Plan:
     assert b.spec is not None
     st, o = b.st, b.o
     j = o.ray_job
     c = o.cluster
     rec = b.recovery()
+    if j.state == RayJobState.SUCCEEDED and _finished(b, o.checkpoint_call.step):
+        return b.succeed()  # the last step completed while we were stopping it
     if j.state.active:
         b.act(StopJob(st.submission_id or ""))  # idempotent; repeated after an operator restart
         if rec.stop_requested_at is None:
@@ -707,7 +743,7 @@ def _succeeded(b: _Builder) -> Plan:
     assert b.spec is not None
     if b.o.cluster.exists and not b.o.cluster.deleting:
         b.act(DeleteCluster())
-    if b.spec.serving.enabled and not b.o.serving_exists:
+    if b.spec.serving.enabled and not b.o.serving_exists and b.job.serving_lora_uri:
         adapter = b.st.adapter_path or api.adapter_export_path(b.spec.checkpoint.path, b.job.namespace, b.job.name)
         b.set(serving_name=api.rayservice_name(b.job.name))
         b.act(EnsureServing(adapter))

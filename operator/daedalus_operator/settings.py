@@ -30,6 +30,11 @@ class OperatorSettings:
         unreachable_grace: seconds an unanswering dashboard is tolerated before the head counts as lost.
         request_timeout: seconds for one HTTP call to the Ray dashboard or the trainer.
         deletion_timeout: seconds after ``deletionTimestamp`` after which the finalizer is released whatever failed.
+        watch_timeout: server-side watch timeout (``timeoutSeconds``) in seconds; the client gives up 30 s later and
+            restarts a stream that delivered nothing for ``watch_timeout + 10`` s. ``None``: kopf's defaults.
+        liveness_stale: the liveness probe fails once the API server has not answered for this many seconds.
+        max_workers: threads for kopf's sync handlers.
+        kubeconfig: explicit kubeconfig path (else in-cluster, ``$KUBECONFIG`` or ``~/.kube/config``).
     """
 
     operator_namespace: str = dataclasses.field(
@@ -44,6 +49,10 @@ class OperatorSettings:
     unreachable_grace: float = 60.0
     request_timeout: float = 5.0
     deletion_timeout: float = 120.0
+    watch_timeout: int | None = None
+    liveness_stale: float = 120.0
+    max_workers: int = 8
+    kubeconfig: str | None = None
 
     @property
     def config_path(self) -> str:

@@ -11,7 +11,8 @@
 
 :class:`TrainerControl` - the trainer's HTTP endpoint on the head (port 9400): ``GET /status`` and the authenticated
 ``POST /checkpoint`` (``Authorization: Bearer <token>``; blocks until the checkpoint at the next step boundary is
-written, answering ``{step, path, time}``; 401 without or with a wrong token).
+written, answering ``{step, path, time}``; 401 without or with a wrong token) and ``POST /stop`` (the same, then the
+trainer exits cleanly: no step runs after the checkpoint).
 
 :class:`CheckpointCalls` - runs the blocking ``POST /checkpoint`` in a background thread per attempt, so a reconcile
 never waits minutes for a step boundary; the planner reads the outcome as a
@@ -215,6 +216,17 @@ class TrainerControl:
         except ValueError:
             return TrainerObservation()
 
+    def _post(self, route: str, wait_seconds: float) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            r = requests.post(f"{self.url}{route}", params={"timeout": f"{wait_seconds:g}"}, headers=headers,
+                              timeout=wait_seconds + self.timeout)
+        except requests.RequestException as exc:
+            raise ControlError(f"trainer {self.url} did not answer: {exc}") from exc
+        if r.status_code != 200:
+            raise ControlError(f"POST {route}: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
+        return r.json()
+
     def checkpoint(self, wait_seconds: float = 300.0) -> dict[str, Any]:
         """``POST /checkpoint?timeout=<wait_seconds>``: blocks until the trainer wrote a checkpoint at its next step
         boundary and returns ``{step, path, time}``.
@@ -223,15 +235,16 @@ class TrainerControl:
             ControlError: no answer (status 0), 401 (token), 409 (the trainer already ended), 500 (save failed),
                 504 (no step boundary within the wait).
         """
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        try:
-            r = requests.post(f"{self.url}/checkpoint", params={"timeout": f"{wait_seconds:g}"}, headers=headers,
-                              timeout=wait_seconds + self.timeout)
-        except requests.RequestException as exc:
-            raise ControlError(f"trainer {self.url} did not answer: {exc}") from exc
-        if r.status_code != 200:
-            raise ControlError(f"POST /checkpoint: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
-        return r.json()
+        return self._post("/checkpoint", wait_seconds)
+
+    def stop(self, wait_seconds: float = 300.0) -> dict[str, Any]:
+        """``POST /stop?timeout=<wait_seconds>``: the trainer checkpoints at its next step boundary and then exits
+        cleanly (no step runs after the checkpoint); returns ``{step, path, time, stopping}`` once it is written.
+
+        Raises:
+            ControlError: as :meth:`checkpoint`.
+        """
+        return self._post("/stop", wait_seconds)
 
 
 class CheckpointCalls:
@@ -246,8 +259,9 @@ class CheckpointCalls:
         self._calls: dict[str, CheckpointCall] = {}
         self.started: list[tuple[str, float]] = []  # (key, time.monotonic()) for diagnostics and tests
 
-    def start(self, key: str, control: TrainerControl, wait_seconds: float) -> bool:
-        """Start a call unless one is in flight or done; True when a new call was started."""
+    def start(self, key: str, control: TrainerControl, wait_seconds: float, *, stop: bool = False) -> bool:
+        """Start a call (``POST /stop`` when ``stop``, else ``POST /checkpoint``) unless one is in flight or done;
+        True when a new call was started."""
         with self._lock:
             cur = self._calls.get(key)
             if cur is not None and (cur.in_flight or cur.step is not None):
@@ -257,7 +271,7 @@ class CheckpointCalls:
 
         def run() -> None:
             try:
-                doc = control.checkpoint(wait_seconds)
+                doc = control.stop(wait_seconds) if stop else control.checkpoint(wait_seconds)
                 result = CheckpointCall(step=int(doc["step"]), path=str(doc.get("path", "")))
             except (ControlError, KeyError, TypeError, ValueError) as exc:
                 result = CheckpointCall(error=str(exc))

@@ -51,7 +51,7 @@ def manifest(**spec_overrides: Any) -> dict:
     return doc
 
 
-def job(status: dict | None = None, **spec_overrides: Any) -> p.JobView:
+def job(status: dict | None = None, lora_uri: str | None = "s3://b/exports", **spec_overrides: Any) -> p.JobView:
     doc = manifest(**spec_overrides)
     try:
         parsed = parse_job(doc)
@@ -59,7 +59,8 @@ def job(status: dict | None = None, **spec_overrides: Any) -> p.JobView:
     except SpecError as exc:
         spec, errors = None, tuple(exc.errors)
     return p.JobView(name="local-tiny", namespace="ml", uid=UID, generation=1, spec=spec,
-                     status=RLTrainingJobStatus.model_validate(status or {}), spec_errors=errors)
+                     status=RLTrainingJobStatus.model_validate(status or {}), spec_errors=errors,
+                     serving_lora_uri=lora_uri)
 
 
 READY = ClusterState(exists=True, ready=True, head_host="10.0.0.5", state="ready")
@@ -182,6 +183,9 @@ ROWS = [
     Row("running-succeeded-serving", job(running_status(), serving__enabled=True), obs(state=p.RayJobState.SUCCEEDED),
         Phase.SUCCEEDED, [p.DeleteCluster(), p.EnsureServing("/checkpoints/ml/local-tiny/exports/adapter")],
         {"serving_name": "local-tiny-serve"}, ["Succeeded"], None),
+    Row("running-succeeded-serving-not-configured", job(running_status(), lora_uri=None, serving__enabled=True),
+        obs(state=p.RayJobState.SUCCEEDED), Phase.SUCCEEDED, [p.DeleteCluster()], {},
+        ["Succeeded", "ServingNotConfigured"], None, check=lambda plan: "serving_name" not in plan.status),
     Row("running-node-replacement-checkpoint", job(running_status(), resilience__hyperPod=True),
         obs(t=trainer(12, 10), health=ANNOUNCED), Phase.CHECKPOINTING, [p.RequestCheckpoint(sid(1), 12)],
         {"recovery": lambda r: r.reason == "NodeReplacement" and r.node == "node-b" and r.checkpoint_target_step == 12
@@ -284,9 +288,18 @@ ROWS = [
     Row("checkpointing-job-ended", job(running_status(phase="Checkpointing", recovery=dict(
         RECOVERING, stopRequestedAt=None))), obs(state=p.RayJobState.FAILED, message="node died"),
         Phase.RECOVERING, [], {"recovery": lambda r: r.stop_requested_at == format_time(NOW)}, ["Recovering"], 0),
-    Row("checkpointing-job-succeeded", job(running_status(phase="Checkpointing", recovery=RECOVERING)),
+    Row("checkpointing-job-finished-all-steps", job(running_status(phase="Checkpointing", recovery=RECOVERING,
+                                                                  currentStep=40)),
         obs(state=p.RayJobState.SUCCEEDED), Phase.SUCCEEDED, [p.DeleteCluster()], {"recovery": None}, ["Succeeded"],
         None),
+    Row("checkpointing-stopped-on-request-is-not-success", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, stopRequestedAt=None))), obs(state=p.RayJobState.SUCCEEDED, call=p.CheckpointCall(step=13,
+                                                                                                       path="/c/13")),
+        Phase.RECOVERING, [], {"latest_checkpoint": lambda c: c.step == 13}, ["Recovering"], 0,
+        check=lambda plan: "stopped after its checkpoint at step 13" in plan.events[0].message),
+    Row("recovering-last-step-finished-meanwhile",
+        job(running_status(phase="Recovering", recovery=RECOVERING, currentStep=40)),
+        obs(state=p.RayJobState.SUCCEEDED), Phase.SUCCEEDED, [p.DeleteCluster()], {}, ["Succeeded"], None),
     # ---------------------------------------------------------------------------------------------- Recovering
     Row("recovering-operator-restart-stops-again", job(running_status(phase="Recovering", recovery=RECOVERING)),
         obs(t=trainer(13, 13)), Phase.RECOVERING, [p.StopJob(sid(1))], {}, [], 2.0,
@@ -339,6 +352,9 @@ ROWS = [
         obs(GONE, p.RayJobState.UNREACHABLE), Phase.SUCCEEDED, [], {}, [], None, check=lambda plan: plan.status == {}),
     Row("succeeded-serving-missing", job(running_status(phase="Succeeded", adapterPath="/a"), serving__enabled=True),
         obs(GONE, p.RayJobState.UNREACHABLE), Phase.SUCCEEDED, [p.EnsureServing("/a")], {}, [], None),
+    Row("succeeded-serving-not-configured-quiet",
+        job(running_status(phase="Succeeded", adapterPath="/a"), lora_uri=None, serving__enabled=True),
+        obs(GONE, p.RayJobState.UNREACHABLE), Phase.SUCCEEDED, [], {}, [], None),
     Row("succeeded-serving-exists", job(running_status(phase="Succeeded", adapterPath="/a"), serving__enabled=True),
         obs(GONE, p.RayJobState.UNREACHABLE, serving=True), Phase.SUCCEEDED, [], {}, [], None),
     Row("failed-frees-cluster", job(running_status(phase="Failed", lastFailure={"reason": "RestartLimitExceeded"})),

@@ -1,0 +1,490 @@
+"""kopf handlers: gather observations -> :func:`~daedalus_operator.plan.plan` -> write status -> execute actions.
+Nothing else; every decision is in :mod:`daedalus_operator.plan`.
+
+Registered by :func:`register` on an explicit registry (the timer interval is a command-line setting):
+
+- ``@kopf.on.login``: in-cluster service account or kubeconfig (explicit, so the official client's import-time
+  ``KUBECONFIG`` is never relied on).
+- ``@kopf.on.startup``: kopf settings (our finalizer ``daedalus.dev/finalizer``, progress and diff-base storage in
+  ``daedalus.dev/`` annotations - the status schema has no room for kopf's own fields, watch timeouts, events only
+  for warnings from kopf itself).
+- indexes of the job's pods, the nodes, and the job's RayClusters/RayServices (kept current by kopf's watches).
+- ``@kopf.on.create`` / ``on.update`` (spec) / ``on.resume`` and a ``@kopf.timer`` every ``--poll-interval``: one
+  reconcile of the job; a per-job lock keeps two of them from overlapping.
+- ``@kopf.on.delete`` (the finalizer): stop the Ray job, delete the children, and release after
+  ``--deletion-timeout`` seconds whatever failed.
+- ``@kopf.on.probe``: the liveness endpoint fails when the API server has not answered for ``--liveness-stale``
+  seconds.
+
+One reconcile: a fresh GET of the job (never a stale body), observations, the plan, the status written once when it
+changed (a merge patch carrying the job's resourceVersion: a concurrent write makes it 409 and the next tick re-plans
+from fresh state; nothing is executed), then the actions. An action that fails is reported in the ``Reconciling``
+condition and retried by the next reconcile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import kopf
+from daedalus_trainer.config import RLTrainingJobStatus, SpecError, parse_job
+
+from daedalus_operator import api, kube, resources
+from daedalus_operator.metrics import OperatorMetrics
+from daedalus_operator.nodes import format_time, node_health, parse_time, read_cluster
+from daedalus_operator.plan import (
+    DeleteCluster,
+    DeletePods,
+    EnsureChildren,
+    EnsureServing,
+    JobView,
+    Observed,
+    Plan,
+    RayJobObservation,
+    RayJobState,
+    RequestCheckpoint,
+    StopJob,
+    Submit,
+    Timing,
+    TrainerObservation,
+    plan,
+)
+from daedalus_operator.settings import OperatorSettings
+from daedalus_operator.status import compute_status, merge_patch
+from daedalus_operator.submit import CheckpointCalls, RayJobs, RayUnreachable, TrainerControl
+
+log = logging.getLogger(__name__)
+
+RLTJ = (api.GROUP, api.VERSION, api.PLURAL)
+MAX_LOOPS = 5  # immediate re-plans within one reconcile (requeue_after == 0)
+
+
+@dataclasses.dataclass
+class Runtime:
+    """Per-process runtime values (kopf ``memo``): API client, background checkpoint calls, metrics, locks."""
+
+    settings: OperatorSettings
+    metrics: OperatorMetrics
+    kube: kube.KubeAPI | None = None
+    calls: CheckpointCalls = dataclasses.field(default_factory=CheckpointCalls)
+    locks: dict[str, threading.Lock] = dataclasses.field(default_factory=dict)
+    ray: dict[str, RayJobs] = dataclasses.field(default_factory=dict)
+    tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+    last_api_ok: float = dataclasses.field(default_factory=time.monotonic)
+    guard: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def lock_for(self, uid: str) -> threading.Lock:
+        with self.guard:
+            return self.locks.setdefault(uid, threading.Lock())
+
+    def ray_jobs(self, url: str) -> RayJobs:
+        with self.guard:
+            if url not in self.ray:
+                self.ray[url] = RayJobs(url, timeout=self.settings.request_timeout)
+            return self.ray[url]
+
+
+# ------------------------------------------------------------------------------------------------ reading the job
+def job_view(body: dict[str, Any]) -> JobView:
+    """Validate a job body into a :class:`JobView` (an invalid spec gives ``spec=None`` and the errors)."""
+    meta = body.get("metadata") or {}
+    manifest = {k: v for k, v in body.items() if k in ("apiVersion", "kind", "spec")}
+    manifest["metadata"] = {"name": meta.get("name"), "namespace": meta.get("namespace")}
+    spec, errors = None, ()
+    try:
+        spec = parse_job(manifest).spec
+    except SpecError as exc:
+        errors = tuple(exc.errors)
+    try:
+        status = RLTrainingJobStatus.model_validate(body.get("status") or {})
+    except ValueError:
+        status = RLTrainingJobStatus()  # unreadable status: start from scratch, never crash the handler
+    return JobView(name=meta["name"], namespace=meta["namespace"], uid=meta.get("uid", ""),
+                   generation=int(meta.get("generation") or 1), spec=spec, status=status, spec_errors=errors,
+                   serving_lora_uri=(meta.get("annotations") or {}).get(resources.SERVING_LORA_URI_ANNOTATION))
+
+
+def _store_values(index: Any, key: Any) -> list[dict]:
+    """Values of a kopf index key, copied (the index changes under us in kopf's event loop thread)."""
+    for _ in range(5):
+        try:
+            return [dict(v) for v in (index.get(key) or [])] if index is not None else []
+        except RuntimeError:  # changed size during iteration
+            time.sleep(0.01)
+    return []
+
+
+def _all_values(index: Any) -> dict[Any, dict]:
+    for _ in range(5):
+        try:
+            return {k: dict(next(iter(store))) for k, store in list(index.items()) if store} if index is not None \
+                else {}
+        except (RuntimeError, StopIteration):
+            time.sleep(0.01)
+    return {}
+
+
+def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
+    """Everything the planner needs: RayCluster (index), pods and nodes (indexes), the Ray job and the trainer
+    (HTTP), the background checkpoint call, the RayService (index)."""
+    key = (job.namespace, job.name)
+    clusters = [c for c in _store_values(indexes.get("clusters_by_job"), key)
+                if (c.get("metadata") or {}).get("name") == api.raycluster_name(job.name)]
+    cluster = read_cluster(clusters[0] if clusters else None, control_port=rt.settings.control_port)
+    st = job.status
+    since = parse_time(st.attempt_start_time) if st.submission_id and st.phase in (
+        api.Phase.RUNNING, api.Phase.CHECKPOINTING) else None
+    pods = _store_values(indexes.get("pods_by_job"), key)
+    nodes = _all_values(indexes.get("nodes_by_name"))
+    hyperpod = job.spec.resilience.hyper_pod if job.spec else False
+    health = node_health(pods, nodes, hyperpod=hyperpod, since=since, expected_pods=job.expected_pods)
+
+    ray_job = RayJobObservation(RayJobState.NOT_FOUND)
+    if st.submission_id:
+        if cluster.dashboard_url and not cluster.deleting:
+            jobs = rt.ray_jobs(cluster.dashboard_url)
+            ray_job = jobs.status(st.submission_id)
+            if ray_job.state == RayJobState.FAILED and st.phase in (api.Phase.RUNNING, api.Phase.CHECKPOINTING):
+                tail = jobs.logs(st.submission_id, 600).strip()
+                if tail:
+                    ray_job = RayJobObservation(ray_job.state, f"{ray_job.message}\n...{tail[-600:]}")
+        else:
+            ray_job = RayJobObservation(RayJobState.UNREACHABLE,
+                                        "no RayCluster" if not cluster.exists else "no head address yet")
+    trainer = TrainerObservation()
+    if ray_job.state.active and cluster.control_url:
+        trainer = TrainerControl(cluster.control_url, timeout=rt.settings.request_timeout).status()
+    serving = bool(_store_values(indexes.get("services_by_job"), key))
+    return Observed(cluster=cluster, ray_job=ray_job, trainer=trainer, health=health,
+                    checkpoint_call=rt.calls.get(st.submission_id), serving_exists=serving)
+
+
+# ------------------------------------------------------------------------------------------------ executing actions
+def _token(rt: Runtime, job: JobView) -> str | None:
+    if job.uid in rt.tokens:
+        return rt.tokens[job.uid]
+    body = rt.kube.get(kube.SECRETS, job.namespace, api.secret_name(job.name))
+    if body is None:
+        return None
+    try:
+        token = resources.secret_token(body)
+    except KeyError:
+        return None
+    rt.tokens[job.uid] = token
+    return token
+
+
+def ensure_children(rt: Runtime, job: JobView) -> None:
+    """Create what is missing (ConfigMap, Secret, NetworkPolicy, RayCluster, in that order: the pods mount the first
+    two); bring the ConfigMap's data up to date; never touch an existing Secret."""
+    k = rt.kube
+    cm = resources.build_config_map(job)
+    try:
+        k.create(kube.CONFIGMAPS, job.namespace, cm)
+    except kube.KubeError as e:
+        if not e.conflict:
+            raise
+        current = k.get(kube.CONFIGMAPS, job.namespace, cm["metadata"]["name"]) or {}
+        if current.get("data") != cm["data"]:
+            k.patch(kube.CONFIGMAPS, job.namespace, cm["metadata"]["name"], {"data": cm["data"]})
+    for key, body in ((kube.SECRETS, resources.build_secret(job)),
+                      (kube.NETWORKPOLICIES, resources.build_network_policy(job, rt.settings)),
+                      (kube.RAYCLUSTERS, resources.build_raycluster(job, rt.settings))):
+        try:
+            k.create(key, job.namespace, body)
+        except kube.KubeError as e:
+            if not e.conflict:
+                raise
+
+
+def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: Any) -> None:
+    """Carry out one action. Raises on failure (the caller records it)."""
+    k = rt.kube
+    c = observed.cluster
+    if isinstance(action, EnsureChildren):
+        ensure_children(rt, job)
+    elif isinstance(action, DeleteCluster):
+        k.delete(kube.RAYCLUSTERS, job.namespace, api.raycluster_name(job.name))
+    elif isinstance(action, Submit):
+        if not c.dashboard_url:
+            raise RayUnreachable("no head address to submit to")
+        env = {api.ENV_TOKEN_FILE: rt.settings.token_path, api.ENV_PORT: str(rt.settings.control_port),
+               api.ENV_ATTEMPT: str(action.attempt), api.ENV_JOB: job.name, api.ENV_NAMESPACE: job.namespace,
+               api.ENV_SUBMISSION_ID: action.submission_id}
+        result = rt.ray_jobs(c.dashboard_url).submit(
+            action.submission_id, rt.settings.render_entrypoint(), env_vars=env,
+            metadata={"daedalus.dev/job": job.name, "daedalus.dev/namespace": job.namespace,
+                      "daedalus.dev/attempt": str(action.attempt)})
+        logger.info(f"Ray job {action.submission_id} {'submitted' if result.created else 'was already submitted'}")
+    elif isinstance(action, RequestCheckpoint):
+        if not c.control_url:
+            raise RayUnreachable("no head address for the checkpoint request")
+        control = TrainerControl(c.control_url, token=_token(rt, job), timeout=rt.settings.request_timeout)
+        wait = float(job.spec.resilience.checkpoint_timeout_seconds) if job.spec else 300.0
+        if rt.calls.start(action.submission_id, control, wait, stop=action.stop):
+            logger.info(f"{'stop after a checkpoint' if action.stop else 'checkpoint'} requested from the trainer of "
+                        f"{action.submission_id} (step >= {action.target_step})")
+    elif isinstance(action, StopJob):
+        if c.dashboard_url:
+            stopped = rt.ray_jobs(c.dashboard_url).stop(action.submission_id)
+            if stopped:
+                logger.info(f"Ray job {action.submission_id} asked to stop")
+    elif isinstance(action, DeletePods):
+        for name in action.names:
+            k.delete(kube.PODS, job.namespace, name)
+        logger.info(f"deleted pods on nodes that must not run them: {', '.join(action.names)}")
+    elif isinstance(action, EnsureServing):
+        body = resources.build_rayservice(job, job.serving_lora_uri or "")
+        try:
+            k.create(kube.RAYSERVICES, job.namespace, body)
+        except kube.KubeError as e:
+            if not e.conflict:
+                raise
+    else:  # pragma: no cover - the Action union is closed
+        raise TypeError(f"unknown action {action!r}")
+
+
+# ------------------------------------------------------------------------------------------------ one reconcile
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], logger: Any,
+              *, wait_for_lock: bool = True) -> Plan | None:
+    """Reconcile one job (see the module docstring). Returns the last plan (``None`` when skipped: the job is gone
+    or another reconcile of it is running).
+
+    Raises:
+        kopf.TemporaryError: the status write failed (conflict or API error); kopf retries.
+    """
+    started = time.monotonic()
+    body = rt.kube.get(kube.RLTJ, namespace, name)
+    rt.last_api_ok = time.monotonic()
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    lock = rt.lock_for(body["metadata"].get("uid", f"{namespace}/{name}"))
+    if not lock.acquire(timeout=30.0 if wait_for_lock else 0.0):
+        return None
+    result = "ok"
+    last: Plan | None = None
+    try:
+        for loop in range(MAX_LOOPS):
+            if loop:
+                body = rt.kube.get(kube.RLTJ, namespace, name)
+                if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+                    break
+            job = job_view(body)
+            observed = gather(rt, job, indexes)
+            now = _utcnow()
+            timing = Timing(poll=rt.settings.poll_interval, unreachable_grace=rt.settings.unreachable_grace)
+            last = plan(job, observed, now, timing)
+            logger.debug(f"observed cluster ready={observed.cluster.ready} head={observed.cluster.head_host} "
+                         f"pods={observed.health.pods}/{observed.health.ready_pods} ray={observed.ray_job.state.value} "
+                         f"trainer={observed.trainer.step if observed.trainer.reachable else '-'} -> "
+                         f"{last.phase.value} {[type(a).__name__ for a in last.actions]}")
+            old = body.get("status") or {}
+            new = compute_status(old, observed, last, None, job=job, now=now)
+            patch = merge_patch(old, new)
+            if patch:
+                try:
+                    body = rt.kube.patch(kube.RLTJ, namespace, name,
+                                         {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
+                                          "status": patch}, status=True)
+                except kube.KubeError as e:
+                    result = "error"
+                    raise kopf.TemporaryError(f"status write failed ({e}); re-planning from fresh state", delay=1.0)
+            for ev in last.events:
+                kopf.event(body, type=ev.type.value, reason=ev.reason, message=ev.message[:1024])
+            error = None
+            for action in last.actions:
+                try:
+                    execute(rt, job, observed, action, logger)
+                except (kube.KubeError, RayUnreachable, RuntimeError, ValueError) as e:
+                    error = f"{type(action).__name__}: {e}"
+                    logger.warning(f"{error}; will retry")
+                    break
+            if last.restart_reason:
+                rt.metrics.restarts.labels(namespace=namespace, job=name, reason=last.restart_reason).inc()
+            if last.recovered is not None:
+                rt.metrics.recovery_seconds.observe(last.recovered.seconds)
+            if error:
+                result = "error"
+                errored = compute_status(new, observed, last, error, job=job, now=now)
+                epatch = merge_patch(new, errored)
+                if epatch:
+                    try:
+                        body = rt.kube.patch(kube.RLTJ, namespace, name, {"status": epatch}, status=True)
+                    except kube.KubeError:
+                        pass
+                break
+            if last.requeue_after is None:
+                break
+            result = "requeue"
+            if last.requeue_after > 0:
+                break
+        if last is not None:
+            st = body.get("status") or {} if body else {}
+            rt.metrics.observe_job(namespace, name, st.get("phase") or last.phase.value, int(st.get("restarts") or 0))
+        return last
+    except kopf.TemporaryError:
+        raise
+    except kube.KubeError as e:
+        result = "error"
+        raise kopf.TemporaryError(f"API error: {e}", delay=2.0) from None
+    finally:
+        lock.release()
+        rt.metrics.reconciles.labels(result=result).inc()
+        rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+
+# ------------------------------------------------------------------------------------------------ deletion
+def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
+    """Stop the Ray job, delete every child; give up (and let kopf release the finalizer) after
+    ``deletion_timeout`` seconds from ``deletionTimestamp``.
+
+    Raises:
+        kopf.TemporaryError: something failed and the deadline has not passed yet.
+    """
+    meta = body.get("metadata") or {}
+    namespace, name = meta["namespace"], meta["name"]
+    started = parse_time(meta.get("deletionTimestamp")) or _utcnow()
+    waited = (_utcnow() - started).total_seconds()
+    status = body.get("status") or {}
+    problems: list[str] = []
+    sid = status.get("submissionId")
+    cluster_body = rt.kube.get(kube.RAYCLUSTERS, namespace, api.raycluster_name(name)) if rt.kube else None
+    cluster = read_cluster(cluster_body, control_port=rt.settings.control_port)
+    if sid and cluster.dashboard_url and not cluster.deleting:
+        try:
+            rt.ray_jobs(cluster.dashboard_url).stop(sid)
+        except (RayUnreachable, RuntimeError) as e:
+            problems.append(f"stop {sid}: {e}")
+    for key, child in ((kube.RAYSERVICES, api.rayservice_name(name)), (kube.RAYCLUSTERS, api.raycluster_name(name)),
+                       (kube.NETWORKPOLICIES, api.network_policy_name(name)),
+                       (kube.CONFIGMAPS, api.config_map_name(name)), (kube.SECRETS, api.secret_name(name))):
+        try:
+            rt.kube.delete(key, namespace, child)
+        except kube.KubeError as e:
+            problems.append(f"delete {key.split('/')[-1]}/{child}: {e}")
+    if sid:
+        rt.calls.forget(sid)
+    rt.tokens.pop(meta.get("uid", ""), None)
+    if problems and waited < rt.settings.deletion_timeout:
+        raise kopf.TemporaryError("; ".join(problems), delay=2.0)
+    if problems:
+        logger.warning(f"releasing the finalizer after {waited:.0f} s despite: {'; '.join(problems)}")
+    rt.metrics.forget_job(namespace, name)
+
+
+# ------------------------------------------------------------------------------------------------ registration
+def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+    """Register every handler of the operator on ``registry`` with the runtime ``rt``."""
+    s = rt.settings
+
+    @kopf.on.login(id="login", registry=registry)
+    def login(**kwargs: Any) -> Any:
+        if s.kubeconfig is None and _in_cluster():
+            return kopf.login_with_service_account(**kwargs)
+        return login_with_kubeconfig_file(s.kubeconfig)
+
+    @kopf.on.startup(id="startup", registry=registry)
+    def startup(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> None:
+        settings.persistence.finalizer = api.FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.daedalus.dev")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="kopf.daedalus.dev", key="last-handled-configuration")
+        settings.posting.level = logging.WARNING
+        settings.execution.max_workers = max(4, s.max_workers)
+        if s.watch_timeout:
+            settings.watching.server_timeout = int(s.watch_timeout)  # the API server parses an integer
+            settings.watching.client_timeout = s.watch_timeout + 30
+            settings.watching.inactivity_timeout = s.watch_timeout + 10
+        if rt.kube is None:
+            rt.kube = kube.KubeAPI(kube.api_client_from_environment(s.kubeconfig), timeout=s.request_timeout * 2)
+        logger.info(f"daedalus operator: poll {s.poll_interval} s, control port {s.control_port}, "
+                    f"entrypoint {s.render_entrypoint()!r}")
+
+    @kopf.index("pods", labels={api.JOB_LABEL: kopf.PRESENT}, id="pods_by_job", registry=registry)
+    def pods_by_job(namespace: str, labels: dict, body: Any, **_: Any) -> dict:
+        return {(namespace, labels[api.JOB_LABEL]): dict(body)}
+
+    @kopf.index("nodes", id="nodes_by_name", registry=registry)
+    def nodes_by_name(name: str, body: Any, **_: Any) -> dict:
+        return {name: dict(body)}
+
+    @kopf.index(api.RAY_GROUP, api.RAY_VERSION, api.RAYCLUSTER_PLURAL, labels={api.JOB_LABEL: kopf.PRESENT},
+                id="clusters_by_job", registry=registry)
+    def clusters_by_job(namespace: str, labels: dict, body: Any, **_: Any) -> dict:
+        return {(namespace, labels[api.JOB_LABEL]): dict(body)}
+
+    @kopf.index(api.RAY_GROUP, api.RAY_VERSION, api.RAYSERVICE_PLURAL, labels={api.JOB_LABEL: kopf.PRESENT},
+                id="services_by_job", registry=registry)
+    def services_by_job(namespace: str, labels: dict, body: Any, **_: Any) -> dict:
+        return {(namespace, labels[api.JOB_LABEL]): dict(body)}
+
+    def _indexes(kw: dict[str, Any]) -> dict[str, Any]:
+        return {k: kw.get(k) for k in ("pods_by_job", "nodes_by_name", "clusters_by_job", "services_by_job")}
+
+    @kopf.on.resume(*RLTJ, id="reconcile", registry=registry)
+    @kopf.on.create(*RLTJ, id="reconcile", registry=registry)
+    @kopf.on.update(*RLTJ, field="spec", id="reconcile", registry=registry)
+    def on_change(namespace: str, name: str, logger: Any, **kw: Any) -> None:
+        reconcile(rt, namespace, name, _indexes(kw), logger)
+
+    @kopf.timer(*RLTJ, interval=s.poll_interval, id="poll", registry=registry)
+    def poll(namespace: str, name: str, logger: Any, **kw: Any) -> None:
+        reconcile(rt, namespace, name, _indexes(kw), logger, wait_for_lock=False)
+
+    @kopf.on.delete(*RLTJ, id="finalize", registry=registry)
+    def on_delete(body: Any, logger: Any, **_: Any) -> None:
+        finalize(rt, dict(body), logger)
+
+    @kopf.on.probe(id="api", registry=registry)
+    def probe_api(**_: Any) -> str:
+        try:
+            rt.kube.list(kube.RLTJ, limit=1)
+            rt.last_api_ok = time.monotonic()
+        except kube.KubeError as e:
+            age = time.monotonic() - rt.last_api_ok
+            if age > s.liveness_stale:
+                raise kopf.PermanentError(f"the API server has not answered for {age:.0f} s: {e}")
+            return f"degraded ({age:.0f} s since the last answer)"
+        return "ok"
+
+
+def login_with_kubeconfig_file(path: str | None) -> kopf.ConnectionInfo:
+    """kopf credentials from a kubeconfig (``path``, else ``$KUBECONFIG`` read now, else ``~/.kube/config``) through
+    the official client's loader, so exec plugins (``aws eks get-token``) and client certificates work.
+
+    Raises:
+        kopf.LoginError: the kubeconfig cannot be loaded.
+    """
+    import kubernetes
+
+    cfg = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_kube_config(config_file=path or os.environ.get("KUBECONFIG") or None,
+                                           client_configuration=cfg)
+    except (kubernetes.config.ConfigException, OSError) as exc:
+        raise kopf.LoginError(f"cannot load the kubeconfig {path or '(default)'}: {exc}") from exc
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = ((None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1]))
+    return kopf.ConnectionInfo(server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+                               username=cfg.username or None, password=cfg.password or None, scheme=scheme,
+                               token=token, certificate_path=cfg.cert_file, private_key_path=cfg.key_file)
+
+
+def _in_cluster() -> bool:
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+
+
+def now_rfc3339() -> str:
+    """Current time as RFC 3339 (for messages)."""
+    return format_time(_utcnow())

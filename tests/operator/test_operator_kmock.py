@@ -1,0 +1,153 @@
+"""The operator running for real (kopf's operator in a thread, ``daedalus_operator.main.run``) against the honest
+kmock API: children with owner references, the stable control token, an invalid spec, deletion through the
+finalizer (bounded), API faults (409 on the status write, 500 on create, failed deletes), watch timeouts, metrics and
+the liveness endpoint. No Ray here (the RayCluster never becomes ready); see test_operator_e2e.py for real Ray jobs."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from fake_kuberay import wait_for
+from operator_env import OperatorEnv
+
+from daedalus_operator import api
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBERAY = ROOT / ".." / "shared" / "kuberay-v1.7.0"
+CHILDREN = [("v1/configmaps", "local-tiny-config"), ("v1/secrets", "local-tiny-control"),
+            ("networking.k8s.io/v1/networkpolicies", "local-tiny-ray"), ("ray.io/v1/rayclusters", "local-tiny-ray")]
+
+
+@pytest.fixture()
+def env(tmp_path: Path, request):
+    extra = getattr(request, "param", ())
+    e = OperatorEnv(tmp_path, None, poll=0.3, extra_args=tuple(extra))
+    e.start(fake_kuberay=False)
+    yield e
+    e.stop()
+
+
+def children(env: OperatorEnv) -> dict[str, dict | None]:
+    return {name + "/" + key.split("/")[-1]: env.kube.get(key, "ml", name) for key, name in CHILDREN}
+
+
+def test_children_owner_refs_token_metrics_liveness(env: OperatorEnv) -> None:
+    job = env.apply(env.job_manifest())
+    st = env.wait_phase("Provisioning", timeout=30)
+    assert st["rayClusterName"] == "local-tiny-ray" and st["observedGeneration"] == 1
+    made = wait_for(lambda: (lambda c: c if all(c.values()) else None)(children(env)), timeout=30,
+                    message="all children")
+    for key, obj in made.items():
+        meta = obj["metadata"]
+        assert meta["labels"][api.JOB_LABEL] == "local-tiny", key
+        assert meta["ownerReferences"] == [{"apiVersion": "daedalus.dev/v1alpha1", "kind": "RLTrainingJob",
+                                            "name": "local-tiny", "uid": job["metadata"]["uid"], "controller": True,
+                                            "blockOwnerDeletion": True}], key
+    # the RayCluster as created on the server validates against KubeRay v1.7.0 (server fields aside)
+    rc = made["local-tiny-ray/rayclusters"]
+    crd = yaml.load((KUBERAY / "ray.io_rayclusters.yaml").read_text(), Loader=getattr(yaml, "CSafeLoader",
+                                                                                       yaml.SafeLoader))
+    schema = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+    jsonschema.Draft4Validator(schema).validate({k: v for k, v in rc.items() if k != "metadata"})
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {p["name"]: p["containerPort"] for p in head["ports"]}["daedalus-metrics"] == env.control_port
+    config = json.loads(made["local-tiny-config/configmaps"]["data"]["config.json"])
+    assert config["metadata"] == {"name": "local-tiny", "namespace": "ml", "uid": job["metadata"]["uid"]}
+    assert config["spec"]["checkpoint"]["path"] == str(env.checkpoints)
+    token = base64.b64decode(made["local-tiny-control/secrets"]["data"]["token"])
+    assert len(token) >= 40
+    # the finalizer is ours; the status has conditions with observedGeneration
+    body = env.get_job()
+    assert api.FINALIZER in body["metadata"]["finalizers"]
+    assert {c["type"]: c["status"] for c in body["status"]["conditions"]}["Reconciling"] == "True"
+    # reconciles keep going (poll 0.3 s) but the token is never rotated and the status is not rewritten needlessly
+    rv = body["metadata"]["resourceVersion"]
+    time.sleep(2.0)
+    again = env.kube.get("v1/secrets", "ml", "local-tiny-control")
+    assert base64.b64decode(again["data"]["token"]) == token
+    assert again["metadata"]["resourceVersion"] == made["local-tiny-control/secrets"]["metadata"]["resourceVersion"]
+    assert env.get_job()["metadata"]["resourceVersion"] == rv
+    assert "Provisioning" in env.event_reasons()
+    text = env.metrics_text()
+    assert 'daedalus_operator_job_phase{job="local-tiny",namespace="ml",phase="Provisioning"} 1.0' in text
+    assert 'daedalus_operator_jobs{phase="Provisioning"} 1.0' in text
+    assert 'daedalus_operator_reconciles_total{result="requeue"}' in text
+    assert "daedalus_operator_reconcile_seconds_count" in text
+    with urllib.request.urlopen(f"http://127.0.0.1:{env.liveness_port}/healthz", timeout=10) as r:
+        assert r.status == 200 and json.loads(r.read())["api"] == "ok"
+
+
+def test_invalid_spec_is_stalled_without_children_then_fixed(env: OperatorEnv) -> None:
+    bad = env.job_manifest(environment__size=8)  # kmock has no CEL: the operator's own validation must catch it
+    env.apply(bad)
+    st = env.wait_phase("Failed", timeout=30)
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert conds["Stalled"]["status"] == "True" and conds["Stalled"]["reason"] == "InvalidSpec"
+    assert "spec.environment.size" in conds["Stalled"]["message"]
+    assert st["lastFailure"]["reason"] == "InvalidSpec"
+    time.sleep(1.0)
+    assert all(v is None for v in children(env).values())
+    assert "InvalidSpec" in env.event_reasons()
+    env.kube.patch("daedalus.dev/v1alpha1/rltrainingjobs", "ml", "local-tiny", {"spec": {"environment": {"size": 7}}})
+    st = env.wait_phase("Provisioning", timeout=30)
+    assert st["observedGeneration"] == 2 and "lastFailure" not in st
+    wait_for(lambda: all(children(env).values()), timeout=30, message="children after the fix")
+
+
+def test_deletion_releases_the_finalizer_and_deletes_children(env: OperatorEnv) -> None:
+    env.apply(env.job_manifest())
+    wait_for(lambda: all(children(env).values()), timeout=30, message="children")
+    env.kube.delete("daedalus.dev/v1alpha1/rltrainingjobs", "ml", "local-tiny")
+    wait_for(lambda: env.get_job() is None, timeout=30, message="the job to be gone")
+    assert all(v is None for v in children(env).values())
+    text = env.metrics_text()
+    assert 'job="local-tiny"' not in text  # the job's series are dropped
+
+
+@pytest.mark.parametrize("env", [("--deletion-timeout", "3")], indirect=True)
+def test_deletion_is_bounded_when_cleanup_keeps_failing(env: OperatorEnv) -> None:
+    env.apply(env.job_manifest())
+    wait_for(lambda: all(children(env).values()), timeout=30, message="children")
+    fault = env.api.fault("DELETE", "rayclusters", status=500, times=10_000)
+    t0 = time.monotonic()
+    env.kube.delete("daedalus.dev/v1alpha1/rltrainingjobs", "ml", "local-tiny")
+    wait_for(lambda: env.get_job() is None, timeout=40, message="the finalizer to be released")
+    took = time.monotonic() - t0
+    assert fault.hits >= 2 and 2.5 <= took < 30, (fault.hits, took)
+    # the operator's own deletes all failed; owner-reference GC removed the RayCluster once the job was gone
+    assert env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray") is None
+
+
+def test_api_faults_409_on_status_and_500_on_create(env: OperatorEnv) -> None:
+    conflict = env.api.fault("PATCH", "rltrainingjobs", subresource="status", status=409, times=2)
+    boom = env.api.fault("POST", "configmaps", status=500, times=2)
+    env.apply(env.job_manifest())
+    st = env.wait_phase("Provisioning", timeout=40)
+    wait_for(lambda: all(children(env).values()), timeout=40, message="children despite faults")
+    assert conflict.hits == 2 and boom.hits == 2
+    assert st["rayClusterName"] == "local-tiny-ray"
+    # after the faults the condition is clean again and nothing was created twice
+    st = env.wait_status(lambda s: {c["type"]: c for c in s["conditions"]}["Reconciling"]["reason"] == "Provisioning",
+                         timeout=20)
+    assert len(env.kube.list("ray.io/v1/rayclusters", "ml")) == 1
+    assert len(env.kube.list("v1/secrets", "ml")) == 1
+    text = env.metrics_text()
+    errors = float(text.split('daedalus_operator_reconciles_total{result="error"} ')[1].split()[0])
+    assert errors >= 2
+
+
+@pytest.mark.parametrize("env", [("--watch-timeout", "1")], indirect=True)
+def test_watch_timeout_is_sent_and_streams_restart(env: OperatorEnv) -> None:
+    time.sleep(3.5)  # several server-side timeouts pass
+    watches = [r for r in env.api._requests if r.params.get("watch") == "true"
+               and r.url.path.endswith("/rltrainingjobs")]
+    assert len(watches) >= 2 and all(r.params.get("timeoutSeconds") == "1" for r in watches)
+    env.apply(env.job_manifest())  # still served after the restarts
+    env.wait_phase("Provisioning", timeout=30)

@@ -1,0 +1,211 @@
+"""One operator test environment: the honest kmock API in a thread, the fake KubeRay, a real local Ray head (passed
+in), and the Daedalus operator running for real (``daedalus_operator.main.run``: kopf's operator in a thread).
+
+Swapping the trainer is one line: pass ``entrypoint=REAL_TRAINER`` instead of the default ``STANDIN_TRAINER``.
+``{config}`` in an entrypoint is the config file the fake kubelet materialised from the job's ConfigMap.
+
+Usage::
+
+    env = OperatorEnv(tmp_path, ray_head).start()
+    env.fake.add_node("node-a")
+    env.apply(env.job_manifest())
+    env.wait_phase("Running")
+    ...
+    env.stop()
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+from fake_kuberay import FakeKubeRay, wait_for
+from kmock_api import KubeClient, KubeServer
+from ray_head import RayHead, free_port
+
+SUPPORT = Path(__file__).resolve().parent
+ROOT = SUPPORT.parents[1]
+RLTJ = "daedalus.dev/v1alpha1/rltrainingjobs"
+
+#: The stand-in trainer (tests/support/standin_trainer.py); ``{step}`` is the seconds per step.
+STANDIN_TRAINER = (f"env DAEDALUS_STANDIN_STEP_SECONDS={{step}} {sys.executable} {SUPPORT / 'standin_trainer.py'} "
+                   "--config {config} --resume latest")
+#: The real trainer (``daedalus train``): what the lead's end-to-end scenarios swap in.
+REAL_TRAINER = f"{sys.executable} -m daedalus_trainer train --config {{config}} --resume latest"
+
+
+class OperatorEnv:
+    """See the module docstring.
+
+    Args:
+        tmp: a per-test temporary directory (volumes, checkpoints, kubeconfig live under it).
+        ray_head: the running local Ray head (``None``: no Ray; the dashboard port then points nowhere).
+        entrypoint: the Ray job entrypoint template (``{config}``; ``{step}`` for the stand-in's step time).
+        step_seconds: the stand-in's seconds per step.
+        poll: the operator's ``--poll-interval``.
+        extra_args: more operator flags.
+    """
+
+    def __init__(self, tmp: Path, ray_head: RayHead | None, *, entrypoint: str = STANDIN_TRAINER, step_seconds: float = 0.3,
+                 poll: float = 0.5, extra_args: tuple[str, ...] = ()):
+        self.tmp = Path(tmp)
+        self.ray = ray_head
+        self.entrypoint = entrypoint.replace("{step}", f"{step_seconds:g}")
+        self.poll = poll
+        self.extra_args = tuple(extra_args)
+        self.kube_server = KubeServer()
+        self.kube: KubeClient | None = None
+        self.fake: FakeKubeRay | None = None
+        self.control_port = free_port()
+        self.metrics_port = free_port()
+        self.liveness_port = free_port()
+        self.volumes = self.tmp / "pod-volumes"
+        self.checkpoints = self.tmp / "checkpoints"
+        self.kubeconfig = self.tmp / "kubeconfig"
+        self._thread: threading.Thread | None = None
+        self._stop: threading.Event | None = None
+        self.runtime: Any = None
+        self.operator_error: BaseException | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    def start(self, *, operator: bool = True, fake_kuberay: bool = True) -> "OperatorEnv":
+        self.volumes.mkdir(parents=True, exist_ok=True)
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        self.kube_server.start()
+        self.kube_server.write_kubeconfig(self.kubeconfig)
+        self.kube = self.kube_server.client()
+        self.fake = FakeKubeRay(self.kube, dashboard_port=self.ray.dashboard_port if self.ray else free_port(),
+                                volume_root=self.volumes)
+        if fake_kuberay:
+            self.fake.start()
+        if operator:
+            self.start_operator()
+        return self
+
+    @property
+    def api(self):
+        return self.kube_server.api
+
+    def operator_args(self) -> list[str]:
+        return ["--all-namespaces", "--standalone", "--kubeconfig", str(self.kubeconfig),
+                "--poll-interval", str(self.poll), "--control-port", str(self.control_port),
+                "--metrics-port", str(self.metrics_port), "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
+                "--entrypoint", self.entrypoint, "--config-dir", str(self.volumes / "etc-daedalus"),
+                "--token-dir", str(self.volumes / "control-token"), "--request-timeout", "3",
+                "--unreachable-grace", "30",
+                *(["--verbose"] if os.environ.get("DAEDALUS_TEST_VERBOSE") else []), *self.extra_args]
+
+    def start_operator(self, timeout: float = 60.0) -> None:
+        """Run the operator in a thread and wait until kopf is ready (liveness endpoint up)."""
+        from daedalus_operator.main import run
+
+        self._stop = threading.Event()
+        ready = threading.Event()
+        stop = self._stop
+
+        def target() -> None:
+            try:
+                self.runtime = run(self.operator_args(), stop_flag=stop, ready_flag=ready)
+            except BaseException as e:  # noqa: BLE001 - surfaced by the tests
+                self.operator_error = e
+                ready.set()
+
+        self._thread = threading.Thread(target=target, name="daedalus-operator", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout):
+            raise RuntimeError("the operator did not become ready")
+        if self.operator_error:
+            raise RuntimeError(f"the operator failed to start: {self.operator_error!r}")
+
+    def stop_operator(self, timeout: float = 30.0) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError("the operator did not stop")
+        self._thread = None
+
+    def stop(self) -> None:
+        try:
+            self.stop_operator()
+        finally:
+            if self.fake:
+                self.fake.stop()
+            self.kube_server.stop()
+
+    # -- jobs -------------------------------------------------------------------------------------------------------
+    def job_manifest(self, name: str = "local-tiny", namespace: str = "ml", **spec_overrides: Any) -> dict:
+        """``examples/local-tiny.yaml`` as a namespace-local variant: checkpoints under the test's tmp, short restart
+        backoff; ``a__b=value`` overrides ``spec.a.b``."""
+        doc = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
+        doc["metadata"] = {"name": name, "namespace": namespace}
+        spec = doc["spec"]
+        spec["checkpoint"]["path"] = str(self.checkpoints)
+        spec["resilience"]["restartBackoffSeconds"] = 1
+        for dotted, value in spec_overrides.items():
+            node = spec
+            *parents, leaf = dotted.split("__")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        return doc
+
+    def apply(self, manifest: dict) -> dict:
+        """Create the RLTrainingJob, defaulted like the API server does with the generated CRD."""
+        from daedalus_trainer.crd import apply_defaults, openapi_schema
+
+        body = apply_defaults(openapi_schema(), copy.deepcopy(manifest))
+        return self.kube.create(RLTJ, manifest["metadata"].get("namespace", "default"), body)
+
+    def get_job(self, name: str = "local-tiny", namespace: str = "ml") -> dict | None:
+        return self.kube.get(RLTJ, namespace, name)
+
+    def status(self, name: str = "local-tiny", namespace: str = "ml") -> dict:
+        return (self.get_job(name, namespace) or {}).get("status") or {}
+
+    def wait_status(self, predicate: Callable[[dict], Any], timeout: float = 60.0, message: str = "status",
+                    name: str = "local-tiny", namespace: str = "ml") -> dict:
+        return wait_for(lambda: (lambda st: st if predicate(st) else None)(self.status(name, namespace)),
+                        timeout=timeout, message=message)
+
+    def wait_phase(self, phase: str, timeout: float = 60.0, **kw: Any) -> dict:
+        return self.wait_status(lambda st: st.get("phase") == phase, timeout, f"phase {phase}", **kw)
+
+    def events(self, name: str = "local-tiny", namespace: str = "ml") -> list[dict]:
+        return [e for e in self.kube.list("v1/events", namespace)
+                if (e.get("involvedObject") or {}).get("name") == name]
+
+    def event_reasons(self, **kw: Any) -> list[str]:
+        return [e.get("reason") for e in sorted(self.events(**kw), key=lambda e: e["metadata"]["resourceVersion"]
+                                                  .zfill(12))]
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def trainer_root(self, name: str = "local-tiny", namespace: str = "ml") -> Path:
+        return self.checkpoints / namespace / name
+
+    def steps_log(self, name: str = "local-tiny", namespace: str = "ml") -> list[dict]:
+        import json
+
+        path = self.trainer_root(name, namespace) / "steps.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def env_flag(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+def now() -> float:
+    return time.time()
