@@ -8,7 +8,7 @@ Set-up, all real processes and real HTTP:
   in a thread of this process;
 - KubeRay: ``tests/support/fake_kuberay.py`` (pods from the RayCluster templates, scheduler, kubelet, RayCluster
   status), with one change for N clusters: the per-node pod load is computed once per pass instead of once per
-  cluster (:class:`ScaleFakeKubeRay`; otherwise the fixture itself is O(N^2) per pass);
+  cluster (:class:`ScaleFakeKubeRay`; otherwise the fixture itself is O(N^2) per pass), and a pass every second;
 - Ray: every cluster's dashboard endpoint is ``bench/lib/fake_ray_jobs.py`` (the Ray Jobs REST API subset that Ray's
   ``JobSubmissionClient`` uses), in its own process: N real Ray jobs would need N supervisor actors and N trainers;
 - the operator: ``python -m daedalus_operator`` in its own process (default ``--poll-interval`` 2 s), so its peak RSS
@@ -173,6 +173,27 @@ def operator_requests(api) -> int:
     return n
 
 
+def count_objects(api) -> tuple[int, int]:
+    """``(RayClusters, Running jobs)`` read straight from kmock's store (no copies, no HTTP: the monitor must not
+    load the API server it measures)."""
+    clusters = running = 0
+    with api._lock:
+        for (key, ns, _), obj in api._store.items():
+            if ns != NAMESPACE:
+                continue
+            if key == RAYCLUSTERS:
+                clusters += 1
+            elif key == RLTJ and (obj.get("status") or {}).get("phase") == "Running":
+                running += 1
+    return clusters, running
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (``/proc/<pid>/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def floor_creates(n: int, body: dict, rounds: int) -> list[float]:
     """Seconds for ``n`` sequential RayCluster creates with the official kubernetes client against a fresh kmock."""
     import kubernetes
@@ -216,7 +237,7 @@ def main(argv=None) -> int:
     server = KubeServer().start()
     kubeconfig = server.write_kubeconfig(tmp / "kubeconfig")
     kube = server.client()
-    fake = scale_fake_kuberay_class()(kube, dashboard_port=ray_port, volume_root=None, interval=0.2)
+    fake = scale_fake_kuberay_class()(kube, dashboard_port=ray_port, volume_root=None, interval=1.0)
     operator = None
     figures: dict = {}
     try:
@@ -252,10 +273,9 @@ def main(argv=None) -> int:
         t_created = time.perf_counter() - t0
         t_clusters = t_running = None
         last_print = 0.0
+        cpu0 = cpu_seconds(operator.pid), time.process_time()
         while time.perf_counter() - t0 < args.timeout:
-            clusters = len(server.api.objects(RAYCLUSTERS, NAMESPACE))
-            jobs = server.api.objects(RLTJ, NAMESPACE)
-            running = sum((j.get("status") or {}).get("phase") == "Running" for j in jobs)
+            clusters, running = count_objects(server.api)
             now = time.perf_counter() - t0
             if t_clusters is None and clusters >= args.jobs:
                 t_clusters = now
@@ -265,7 +285,8 @@ def main(argv=None) -> int:
             if now - last_print > 15:
                 print(f"  +{now:.0f} s: {clusters} RayClusters, {running} Running", flush=True)
                 last_print = now
-            time.sleep(0.25)
+            time.sleep(1.0)
+        cpu_run = cpu_seconds(operator.pid) - cpu0[0], time.process_time() - cpu0[1]
         if t_running is None:
             raise RuntimeError(f"not all jobs Running after {args.timeout:.0f} s ({running}/{args.jobs})")
         req_run = operator_requests(server.api) - req0
@@ -282,7 +303,9 @@ def main(argv=None) -> int:
         figures = {"created": t_created, "clusters": t_clusters, "running": t_running, "requests_run": req_run,
                    "requests_steady": req_steady, "steady_s": steady, "p50": qs[0.5], "p99": qs[0.99],
                    "reconciles": n_rec, "reconcile_mean": sum_rec / max(n_rec, 1), "hwm": hwm, "rss": rss,
-                   "rss_idle": rss_idle[1], "fake_passes": fake.passes, "fake_errors": len(fake.errors)}
+                   "rss_idle": rss_idle[1], "fake_passes": fake.passes, "fake_errors": len(fake.errors),
+                   "cpu_operator": cpu_run[0], "cpu_bench": cpu_run[1],
+                   "api_timeouts": log_path.read_text(errors="replace").count("Read timed out")}
     finally:
         if operator is not None and operator.poll() is None:
             os.killpg(operator.pid, signal.SIGTERM)
@@ -312,6 +335,8 @@ def main(argv=None) -> int:
     print(f"API requests by the operator {f['requests_run'] / n:.1f} per job until all Running; "
           f"{f['requests_steady'] / n / f['steady_s'] * 60:.1f} per job per minute in steady state "
           f"({f['steady_s']:.0f} s window)")
+    print(f"CPU until all Running: operator {f['cpu_operator']:.0f} s; API stand-in + fake KubeRay (this process) "
+          f"{f['cpu_bench']:.0f} s; operator log lines with an API read timeout: {f['api_timeouts']}")
     print(f"fake KubeRay passes {f['fake_passes']}, errors {f['fake_errors']}")
     print()
     print(f"operator_scale_p99: {f['p99']:.3f} s reconcile p99 (anchor: 1 s target, {f['p99']:.2f}x); "
