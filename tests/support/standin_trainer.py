@@ -57,6 +57,7 @@ class State:
         self.adapter: str | None = None
         self.requests = 0  # checkpoint requests not yet served
         self.stop = False
+        self.stop_answered = threading.Event()  # the POST /stop answer is written: safe to exit
 
     def snapshot(self) -> dict:
         with self.cond:
@@ -122,6 +123,9 @@ def make_handler(state: State):
                 self._json(504, {"error": f"no checkpoint within {wait} s"})
                 return
             self._json(200, dict(latest, stopping=state.stop))
+            self.wfile.flush()
+            if url.path == "/stop":
+                state.stop_answered.set()
 
     return Handler
 
@@ -202,11 +206,14 @@ def main(argv: list[str] | None = None) -> int:
                 state.requests = 0
                 state.phase = "training"
                 state.cond.notify_all()
-                if state.stop:
+                stopping = state.stop
+                if stopping:
                     state.phase = "finished"
-                    print(f"stopping at step {step} after the checkpoint", flush=True)
-                    server.shutdown()
-                    return 0
+            if stopping:
+                state.stop_answered.wait(5)  # let the caller read its answer before the process exits
+                print(f"stopping at step {step} after the checkpoint", flush=True)
+                server.shutdown()
+                return 0
     adapter = root / "exports" / "adapter"
     adapter.mkdir(parents=True, exist_ok=True)
     (adapter / "adapter_config.json").write_text(json.dumps({"r": spec["lora"]["rank"], "peft_type": "LORA"}))
