@@ -99,8 +99,8 @@ def _short_job(tiny_checkpoint, steps: int):
 
 
 def test_sft_trains_resumes_bit_exactly_and_eval_reproduces(tmp_path):
-    """Loss goes down on assistant tokens; 3 + 3 resumed steps give the same weights as 6 uninterrupted steps;
-    a finished run returns at once; run_eval on the saved model reproduces SFT's final evaluation."""
+    """Interrupted after 3 steps and resumed, a run ends with exactly the weights of an uninterrupted one; a finished
+    run returns at once; run_eval on the saved model reproduces SFT's final evaluation."""
     fast = {"progress": False, "accuracy_turns": 8}
     full = sft.run_sft(_short_job(None, 6), tmp_path / "full", resume=False, final_eval=True, **fast)
     report = json.loads((tmp_path / "full" / sft.REPORT_NAME).read_text())
@@ -110,7 +110,14 @@ def test_sft_trains_resumes_bit_exactly_and_eval_reproduces(tmp_path):
     assert (full / "config.json").is_file() and (tmp_path / "full" / "checkpoint" / "optimizer.pt").is_file()
 
     half = tmp_path / "half"
-    sft.run_sft(_short_job(None, 3), half, resume=False, final_eval=False, **fast)
+
+    def interrupt_at_3(state):
+        if state.step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sft.run_sft(_short_job(None, 6), half, resume=False, final_eval=False, on_step=interrupt_at_3, **fast)
+    assert json.loads((half / "checkpoint" / "state.json").read_text())["step"] == 3
     resumed = sft.run_sft(_short_job(None, 6), half, resume=True, final_eval=False, **fast)
     a = load_pretrained(full, "float32", "cpu").model.state_dict()
     b = load_pretrained(resumed, "float32", "cpu").model.state_dict()
@@ -124,6 +131,14 @@ def test_sft_trains_resumes_bit_exactly_and_eval_reproduces(tmp_path):
 
     rep = evaluation.run_eval(_short_job(None, 6), full, sampled=False)
     assert rep.result("greedy").to_dict() | {"seconds": 0} == report["final_eval"] | {"seconds": 0}
+
+
+def test_learning_rate_schedule_is_warmup_stable_decay():
+    lr = 1e-3
+    assert sft.lr_at(lr, 0, 0.0) == pytest.approx(lr / sft.WARMUP_STEPS)
+    assert sft.lr_at(lr, 100, 0.5) == lr
+    assert sft.lr_at(lr, 100, 1 - sft.DECAY_FRACTION / 2) == pytest.approx(lr / 2)
+    assert sft.lr_at(lr, 100, 1.0) == 0.0
 
 
 def test_sft_loss_decreases(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import threading
 import shutil
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -134,6 +135,7 @@ class Policy:
         self.path = Path(path)
         self.device = device
         self._image_cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._image_cache_lock = threading.Lock()  # SFT prepares the next batch in a thread
         tok = processor.tokenizer
         tok.padding_side = "left"  # batched generation needs left padding; training batches pad right themselves
         self.image_token_id = int(processor.image_token_id)
@@ -302,10 +304,11 @@ class Policy:
         return (arr.shape, hashlib.blake2b(arr.tobytes(), digest_size=16).digest())
 
     def _remember(self, key: tuple, value: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self._image_cache[key] = value
-        self._image_cache.move_to_end(key)
-        if len(self._image_cache) > IMAGE_CACHE_SIZE:
-            self._image_cache.popitem(last=False)
+        with self._image_cache_lock:
+            self._image_cache[key] = value
+            self._image_cache.move_to_end(key)
+            if len(self._image_cache) > IMAGE_CACHE_SIZE:
+                self._image_cache.popitem(last=False)
 
     def process_images(self, images: Sequence[Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run the checkpoint's image processor: ``(pixel_values [P, D], image_grid_thw [N, 3])``, or ``(None, None)``.
@@ -318,7 +321,8 @@ class Policy:
         pv, grids = [], []
         for img in images:
             key = self._image_key(img)
-            hit = self._image_cache.get(key)
+            with self._image_cache_lock:
+                hit = self._image_cache.get(key)
             if hit is None:
                 out = self.processor.image_processor(images=[to_pil(img)], return_tensors="pt")
                 hit = (out["pixel_values"], out["image_grid_thw"])

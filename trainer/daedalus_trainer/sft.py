@@ -19,7 +19,9 @@ success stays near 0 until it passes ~0.9 (one wrong move into a wall repeats fo
 
 Budget: ``sft.steps`` optimizer steps or ``sft.maxSeconds`` seconds of training, whichever comes first. The seconds
 count the training loop (data, forward, backward, update, step-accuracy logging, checkpoints), summed across resumed
-runs, and exclude the periodic held-out evaluations (``sft.evalEvery``), which are timed separately.
+runs, and exclude the periodic held-out evaluations (``sft.evalEvery``), which are timed separately. The learning
+rate follows a warmup-stable-decay schedule over that budget (:func:`lr_at`): on the tiny model, step accuracy
+plateaued around 0.9 at a constant 1e-3 (greedy success ~30%), and the final decay is what pushes it past that.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,8 @@ ADAPTER_DIRNAME = "adapter"
 REPORT_NAME = "sft_report.json"
 #: Linear learning-rate warm-up (steps) before the constant rate.
 WARMUP_STEPS = 20
+#: Final fraction of the budget over which the learning rate decays linearly to 0 (see :func:`lr_at`).
+DECAY_FRACTION = 0.3
 #: Held-out demonstration turns used for step accuracy.
 ACCURACY_TURNS = 128
 #: Steps between step-accuracy measurements and log records.
@@ -215,8 +221,17 @@ def _find_checkpoint(out_dir: Path) -> Path | None:
     return None
 
 
-def _lr_at(step: int, lr: float) -> float:
-    return lr * min(1.0, (step + 1) / WARMUP_STEPS)
+def lr_at(lr: float, step: int, progress: float) -> float:
+    """Warmup-stable-decay learning rate (WSD; Hu et al. 2024, MiniCPM, arXiv:2404.06395).
+
+    Linear warm-up over :data:`WARMUP_STEPS`, constant ``lr``, then a linear decay to 0 over the last
+    :data:`DECAY_FRACTION` of the budget. ``progress`` in [0, 1] is the spent fraction of the budget: the larger of
+    ``step / sft.steps`` and ``seconds / sft.maxSeconds`` (so with a time budget the decay is timed, and a run is
+    reproducible step for step only when the step budget binds).
+    """
+    warm = min(1.0, (step + 1) / WARMUP_STEPS)
+    decay = min(1.0, max(0.0, 1.0 - progress) / DECAY_FRACTION)
+    return lr * warm * decay
 
 
 def _load_start(job: Any, out_dir: Path, resume: bool) -> tuple[Policy, SFTState, dict | None]:
@@ -249,6 +264,7 @@ def run_sft(
     checkpoint_seconds: float = CHECKPOINT_SECONDS,
     log_every: int = LOG_EVERY,
     accuracy_turns: int = ACCURACY_TURNS,
+    on_step: Callable[[SFTState], None] | None = None,
 ) -> Path:
     """Run SFT for ``job`` (an ``RLTrainingJob``) into ``out_dir``; return the saved model (tiny) or adapter dir.
 
@@ -261,7 +277,9 @@ def run_sft(
 
     Keyword args: ``progress`` (tqdm bar on stderr with loss, step accuracy, tokens/s and training seconds),
     ``final_eval`` (greedy evaluation on the held-out set at the end, stored in the report), ``checkpoint_seconds``,
-    ``log_every`` (steps between step-accuracy measurements), ``accuracy_turns`` (held-out turns they use).
+    ``log_every`` (steps between step-accuracy measurements), ``accuracy_turns`` (held-out turns they use),
+    ``on_step`` (called with the state after every optimizer step, e.g. for metrics; a ``KeyboardInterrupt`` raised
+    there is handled like Ctrl-C: checkpoint, then re-raise).
 
     Raises:
         daedalus_trainer.layouts.LayoutError: the evaluation set leaves too few training layouts.
@@ -299,16 +317,25 @@ def run_sft(
     def budget_left() -> bool:
         return not exhausted(state)
 
+    def spent() -> float:
+        return max(state.step / max(1, max_steps), state.seconds / max_seconds if max_seconds > 0 else 0.0)
+
     bar = tqdm(total=max_steps, initial=state.step, desc="sft", disable=not progress, dynamic_ncols=True,
                file=sys.stderr)
     last_ckpt = state.seconds
     window_loss, window_tokens, window_time = [], 0, 0.0
+    # Demonstrations for step k + 1 are prepared (environment, rendering, processor) while step k trains: the data
+    # of a step depends only on its index, so prefetching changes no value.
+    prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sft-data")
+    upcoming = prefetch.submit(source.batch, state.step, spec.sft.batch_size)
     try:
         while budget_left():
             t0 = time.perf_counter()
-            batch = policy.collate(source.batch(state.step, spec.sft.batch_size))
+            sequences = upcoming.result()
+            upcoming = prefetch.submit(source.batch, state.step + 1, spec.sft.batch_size)
+            batch = policy.collate(sequences)
             for g in optimizer.param_groups:
-                g["lr"] = _lr_at(state.step, spec.sft.learning_rate)
+                g["lr"] = lr_at(spec.sft.learning_rate, state.step, spent())
             logp = policy.response_logprobs(batch)  # [B, T], 0 off the assistant tokens
             loss = -logp.sum() / batch.assistant_mask.sum()  # token-mean NLL of the assistant tokens
             optimizer.zero_grad(set_to_none=True)
@@ -343,6 +370,8 @@ def run_sft(
                 state.eval_seconds += time.perf_counter() - t1
                 state.history.append({"step": state.step, "eval_greedy_success": res["success_rate"]})
                 bar.write(f"step {state.step}: held-out greedy success {res['success_rate']:.2f}")
+            if on_step is not None:
+                on_step(state)
             if state.seconds - last_ckpt >= checkpoint_seconds:
                 t1 = time.perf_counter()
                 save_checkpoint(out_dir, policy, optimizer, state)
@@ -352,6 +381,8 @@ def run_sft(
         save_checkpoint(out_dir, policy, optimizer, state)
         bar.close()
         raise
+    finally:
+        prefetch.shutdown(wait=True, cancel_futures=True)
     bar.close()
     save_checkpoint(out_dir, policy, optimizer, state)
 
@@ -368,7 +399,8 @@ def run_sft(
         "eval_seconds": round(state.eval_seconds, 2),
         "tokens": state.tokens,
         "settings": {"steps": max_steps, "max_seconds": max_seconds, "batch_size": spec.sft.batch_size,
-                     "learning_rate": spec.sft.learning_rate, "seed": spec.sft.seed,
+                     "learning_rate": spec.sft.learning_rate, "schedule": f"wsd(warmup={WARMUP_STEPS}, "
+                     f"decay={DECAY_FRACTION})", "seed": spec.sft.seed,
                      "full_finetune": not policy.has_adapter, "torch_threads": torch.get_num_threads()},
         "layouts": layout_report.to_dict(),
         "history": state.history,
