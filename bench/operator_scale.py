@@ -163,13 +163,22 @@ def peak_rss_mib(pid: int) -> tuple[float, float]:
     return fields.get("VmHWM", float("nan")), fields.get("VmRSS", float("nan"))
 
 
-def operator_requests(api) -> int:
-    """Requests in kmock's log made by the operator (kopf's aiohttp or the kubernetes client, not ``requests``)."""
+def operator_requests(api, breakdown: dict | None = None, start: int = 0) -> int:
+    """Requests in kmock's log made by the operator (kopf's aiohttp or the kubernetes client, not ``requests``), from
+    log index ``start``; ``breakdown`` (if given) is filled with counts per ``METHOD resource[/subresource]``."""
     n = 0
-    for r in list(api._requests):  # kmock's request log
+    for r in list(api._requests)[start:]:  # kmock's request log
         ua = (r.headers or {}).get("User-Agent", "")
-        if not ua.startswith("python-requests"):
-            n += 1
+        if ua.startswith("python-requests"):
+            continue
+        n += 1
+        if breakdown is not None:
+            res = r.resource.plural if r.resource is not None else "(discovery)"
+            sub = f"/{r.subresource}" if getattr(r, "subresource", None) else ""
+            watch = "?watch" if "watch" in (r.url.query or {}) else ""
+            method = r.method.value if hasattr(r.method, "value") else str(r.method)
+            key = f"{method} {res}{sub}{watch}"
+            breakdown[key] = breakdown.get(key, 0) + 1
     return n
 
 
@@ -264,6 +273,7 @@ def main(argv=None) -> int:
         rss_idle = peak_rss_mib(operator.pid)
         bodies = [job_body(f"job-{i:04d}", tmp / "checkpoints") for i in range(args.jobs)]
         req0 = operator_requests(server.api)
+        log0 = len(server.api._requests)
         print(f"operator pid {operator.pid} ready (RSS {rss_idle[1]:.0f} MiB); creating {args.jobs} RLTrainingJobs",
               flush=True)
 
@@ -289,11 +299,15 @@ def main(argv=None) -> int:
         cpu_run = cpu_seconds(operator.pid) - cpu0[0], time.process_time() - cpu0[1]
         if t_running is None:
             raise RuntimeError(f"not all jobs Running after {args.timeout:.0f} s ({running}/{args.jobs})")
+        log_start = len(server.api._requests) - 1
+        breakdown: dict[str, int] = {}
         req_run = operator_requests(server.api) - req0
         print(f"  all {args.jobs} RayClusters after {t_clusters:.1f} s, all Running after {t_running:.1f} s", flush=True)
         t_s = time.perf_counter()
         time.sleep(args.steady_seconds)
         req_steady = operator_requests(server.api) - req0 - req_run
+        operator_requests(server.api, breakdown, start=log0)
+        del log_start
         steady = time.perf_counter() - t_s
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
             metrics = r.read().decode()
@@ -304,7 +318,7 @@ def main(argv=None) -> int:
                    "requests_steady": req_steady, "steady_s": steady, "p50": qs[0.5], "p99": qs[0.99],
                    "reconciles": n_rec, "reconcile_mean": sum_rec / max(n_rec, 1), "hwm": hwm, "rss": rss,
                    "rss_idle": rss_idle[1], "fake_passes": fake.passes, "fake_errors": len(fake.errors),
-                   "cpu_operator": cpu_run[0], "cpu_bench": cpu_run[1],
+                   "cpu_operator": cpu_run[0], "cpu_bench": cpu_run[1], "breakdown": breakdown,
                    "api_timeouts": log_path.read_text(errors="replace").count("Read timed out")}
     finally:
         if operator is not None and operator.poll() is None:
@@ -335,6 +349,8 @@ def main(argv=None) -> int:
     print(f"API requests by the operator {f['requests_run'] / n:.1f} per job until all Running; "
           f"{f['requests_steady'] / n / f['steady_s'] * 60:.1f} per job per minute in steady state "
           f"({f['steady_s']:.0f} s window)")
+    top = sorted(f["breakdown"].items(), key=lambda kv: -kv[1])[:12]
+    print("  per job, until the end of the steady-state window: " + ", ".join(f"{k} {v / n:.1f}" for k, v in top))
     print(f"CPU until all Running: operator {f['cpu_operator']:.0f} s; API stand-in + fake KubeRay (this process) "
           f"{f['cpu_bench']:.0f} s; operator log lines with an API read timeout: {f['api_timeouts']}")
     print(f"fake KubeRay passes {f['fake_passes']}, errors {f['fake_errors']}")
