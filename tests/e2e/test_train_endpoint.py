@@ -56,7 +56,9 @@ def _wait(pred, timeout: float, what: str, proc=None):
 
 
 def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
-    job = tiny_job_dict(algorithm={"steps": 8, "evalIntervalSteps": 2}, checkpoint={"intervalSteps": 100})
+    # klCoef > 0: the learner runs the reference forward, so daedalus_train_kl is a real value.
+    job = tiny_job_dict(algorithm={"steps": 8, "evalIntervalSteps": 2, "klCoef": 0.01},
+                        checkpoint={"intervalSteps": 100})
     job["spec"]["model"]["sftAdapter"] = str(sft_start)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(job))
@@ -110,6 +112,6 @@ def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
     assert second["daedalus_checkpoint_bytes"] > 0
     assert 0.0 <= second["daedalus_eval_success_ratio"] <= 1.0
     for name in ("daedalus_train_success_ratio", "daedalus_train_reward_mean", "daedalus_train_episode_turns",
-                 "daedalus_train_grad_norm", "daedalus_train_loss"):
+                 "daedalus_train_grad_norm", "daedalus_train_loss", "daedalus_train_kl"):
         assert math.isfinite(second[name]), name
     assert (tmp_path / "run" / "exports" / "adapter" / "adapter_config.json").is_file()
