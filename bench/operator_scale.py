@@ -22,11 +22,12 @@ by User-Agent: kopf's aiohttp and the kubernetes client; the fake KubeRay and th
 jobs run and per minute in a steady-state window afterwards.
 
 Floor: the same number of RayCluster creates (the operator's own RayCluster body) with the official ``kubernetes``
-client, sequentially, against a fresh kmock in the same run (median of 5 rounds). Targets: time to all RayClusters and
+client, sequentially, against a fresh kmock in the same run (3 rounds before the operator run and 3 after it, so
+that the floor sees the same range of machine load; median with min/max). Targets: time to all RayClusters and
 to all Running <= 3x floor, p99 <= 1 s, RSS <= 200 MiB.
 
-One N-job run per invocation (several minutes each); the floor is repeated 5 times and the percentiles come from
-every reconcile of the run.
+One N-job run per invocation (about 3 minutes at 500 on 2 cores); the floor is repeated 6 times and the percentiles
+come from every reconcile of the run.
 """
 
 from __future__ import annotations
@@ -182,6 +183,17 @@ def operator_requests(api, breakdown: dict | None = None, start: int = 0) -> int
     return n
 
 
+def operator_raycluster_spec(tmp: Path) -> dict:
+    """The spec of the RayCluster the operator builds for one of the jobs (for the floor's creates)."""
+    from daedalus_operator import resources
+    from daedalus_operator.handlers import job_view
+    from daedalus_operator.settings import OperatorSettings
+
+    body = job_body("floor-job", tmp / "checkpoints")
+    body["metadata"]["uid"] = "00000000-0000-0000-0000-000000000000"
+    return resources.build_raycluster(job_view(body), OperatorSettings())["spec"]
+
+
 def count_objects(api) -> tuple[int, int]:
     """``(RayClusters, Running jobs)`` read straight from kmock's store (no copies, no HTTP: the monitor must not
     load the API server it measures)."""
@@ -239,6 +251,8 @@ def main(argv=None) -> int:
 
     print_load("start")
     tmp = Path(tempfile.mkdtemp(prefix="daedalus-bench-scale-"))
+    floor_body = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "spec": operator_raycluster_spec(tmp)}
+    floors = floor_creates(args.jobs, floor_body, rounds=3)  # before the operator run; 3 more after it
     ray_port, metrics_port, liveness_port, control_port = free_port(), free_port(), free_port(), free_port()
     ray = subprocess.Popen([sys.executable, str(LIB / "fake_ray_jobs.py"), "--port", str(ray_port)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -332,7 +346,7 @@ def main(argv=None) -> int:
         os.killpg(ray.pid, signal.SIGTERM)
         ray.wait(10)
     body = {k: v for k, v in sample_rc.items() if k in ("apiVersion", "kind", "spec")}
-    floors = floor_creates(args.jobs, body, rounds=5)
+    floors += floor_creates(args.jobs, body, rounds=3)
     shutil.rmtree(tmp, ignore_errors=True)
     print_load("end")
 
