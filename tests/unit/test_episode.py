@@ -119,3 +119,18 @@ def test_vllm_engine_imports_lazily():
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ImportError, match="TransformersEngine on CPU"):
             vllm_engine.VLLMEngine("/nonexistent")
+
+
+def test_ascii_observations_carry_no_image_and_recompute_exactly(tiny_policy, tiny_checkpoint):
+    job = make_tiny_job(tiny_checkpoint, environment={"observation": "ascii", "historyTurns": 2, "maxTurns": 2})
+    trajs = run_episodes(TransformersEngine(tiny_policy), [maze_from_seed(7, s) for s in range(2)],
+                         job.spec.environment, SamplingParams(1.0, 1.0, 8), seed=3)
+    turns = [t for tr in trajs for t in tr.turns]
+    assert all(t.images == [] and _vision_spans(tiny_policy, t.prompt_ids) == 0 for t in turns)
+    assert "#" in tiny_policy.tokenizer.decode(turns[0].prompt_ids)
+    batch = tiny_policy.collate([t.sequence() for t in turns])
+    assert batch.pixel_values is None
+    with torch.no_grad():
+        lp = tiny_policy.response_logprobs(batch, 1.0)
+    for i, t in enumerate(turns):
+        assert torch.allclose(lp[i, : len(t.tokens)], torch.tensor(t.token_logprobs), atol=1e-4)

@@ -314,6 +314,7 @@ def run_sft(
     sampler = TrainingSampler.for_env(spec.environment, spec.sft.seed)
     source = DemoSource(policy, spec.environment, sampler, spec.sft.seed)
     heldout = encode_turns(policy, heldout_turns(spec.environment, accuracy_turns, seed=spec.sft.seed))
+
     def budget_left() -> bool:
         return not exhausted(state)
 
