@@ -174,6 +174,28 @@ def operator_text(r: dict) -> str:
             f"{r['operator_detected_step']}, resumed from {r['operator_resumed_from']}, lost {r['operator_lost']}")
 
 
+def kill_own_trainers(tmp: Path) -> list[int]:
+    """SIGKILL stand-in trainers whose command line names this run's ``tmp`` (their config lives there).
+
+    Ray starts a job's entrypoint in its own session, so stopping the head's process group does not end it: without
+    this, the last attempt's trainer would outlive the benchmark. Only processes of this run match."""
+    killed = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "standin_trainer.py" in cmd and str(tmp) in cmd:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed.append(int(proc.name))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
 def trainer_pid(env) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{env.control_port}/status", timeout=5) as r:
         return int(json.loads(r.read())["pid"])
@@ -251,6 +273,7 @@ def main(argv=None) -> int:
             env.stop()
         finally:
             head.stop()
+            kill_own_trainers(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
     print_load("end")
 

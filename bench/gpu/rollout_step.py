@@ -200,6 +200,11 @@ def main(argv=None) -> int:
     from daedalus_trainer.rollout.episode import run_episodes
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="daedalus-gpu-bench-"))
+    if not args.work:
+        import atexit
+        import shutil
+
+        atexit.register(shutil.rmtree, work, ignore_errors=True)  # the checkpoint is ~18 GB at 8B scale
     ckpt = work / f"qwen3-vl-{args.scale}-random"
     ckpt.mkdir(parents=True, exist_ok=True)
     figures["checkpoint"] = build_checkpoint(ckpt, args.scale, device)
