@@ -88,7 +88,7 @@ DASHBOARD_PORT = 8265
 DASHBOARD_PORT_NAME = "dashboard"
 #: The trainer's metrics + control HTTP port on the head (daedalus_trainer.server.DEFAULT_PORT).
 CONTROL_PORT = 9400
-CONTROL_PORT_NAME = "daedalus-metrics"
+CONTROL_PORT_NAME = "trainer-metrics"  # a container port name: IANA_SVC_NAME, at most 15 characters
 #: Ray ports the head exposes (KubeRay defaults): GCS, client, Ray's own metrics export, Serve.
 GCS_PORT = 6379
 CLIENT_PORT = 10001

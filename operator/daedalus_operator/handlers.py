@@ -76,6 +76,7 @@ class Runtime:
     locks: dict[str, threading.Lock] = dataclasses.field(default_factory=dict)
     ray: dict[str, RayJobs] = dataclasses.field(default_factory=dict)
     tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+    deleting: dict[str, float] = dataclasses.field(default_factory=dict)  # uid -> monotonic time first seen deleting
     last_api_ok: float = dataclasses.field(default_factory=time.monotonic)
     guard: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -353,8 +354,12 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     """
     meta = body.get("metadata") or {}
     namespace, name = meta["namespace"], meta["name"]
+    # deletionTimestamp has one-second resolution; the first time this process saw the deletion bounds it from the
+    # other side (after an operator restart the wait is at most one more deletion_timeout).
     started = parse_time(meta.get("deletionTimestamp")) or _utcnow()
-    waited = (_utcnow() - started).total_seconds()
+    with rt.guard:
+        first_seen = rt.deleting.setdefault(meta.get("uid", f"{namespace}/{name}"), time.monotonic())
+    waited = min((_utcnow() - started).total_seconds(), time.monotonic() - first_seen)
     status = body.get("status") or {}
     problems: list[str] = []
     sid = status.get("submissionId")
@@ -376,7 +381,9 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
         rt.calls.forget(sid)
     rt.tokens.pop(meta.get("uid", ""), None)
     if problems and waited < rt.settings.deletion_timeout:
-        raise kopf.TemporaryError("; ".join(problems), delay=2.0)
+        raise kopf.TemporaryError("; ".join(problems), delay=min(2.0, max(0.2, rt.settings.deletion_timeout - waited)))
+    with rt.guard:
+        rt.deleting.pop(meta.get("uid", f"{namespace}/{name}"), None)
     if problems:
         logger.warning(f"releasing the finalizer after {waited:.0f} s despite: {'; '.join(problems)}")
     rt.metrics.forget_job(namespace, name)

@@ -315,7 +315,7 @@ def read_cluster(body: Mapping[str, Any] | None, *, control_port: int = api.CONT
     """Read a RayCluster body (``None`` when it does not exist) into a :class:`ClusterState`.
 
     ``control_port`` is the port the operator asked the trainer to serve on; ``status.endpoints`` wins when it lists
-    the ``daedalus-metrics`` port.
+    the ``trainer-metrics`` port.
     """
     if body is None:
         return ClusterState(exists=False, control_port=control_port)

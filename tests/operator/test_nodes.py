@@ -110,7 +110,7 @@ def test_read_cluster() -> None:
     assert not read_cluster(None).exists
     body = {"metadata": {"name": "j-ray", "namespace": "ml"},
             "status": {"state": "ready", "head": {"serviceIP": "10.1.2.3", "podIP": "10.9.9.9"},
-                       "endpoints": {"dashboard": "18265", "daedalus-metrics": "19400", "client": "10001"}}}
+                       "endpoints": {"dashboard": "18265", "trainer-metrics": "19400", "client": "10001"}}}
     c = read_cluster(body)
     assert (c.exists, c.ready, c.head_host) == (True, True, "10.1.2.3")
     assert c.dashboard_url == "http://10.1.2.3:18265" and c.control_url == "http://10.1.2.3:19400"

@@ -57,7 +57,7 @@ def test_children_owner_refs_token_metrics_liveness(env: OperatorEnv) -> None:
     schema = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
     jsonschema.Draft4Validator(schema).validate({k: v for k, v in rc.items() if k != "metadata"})
     head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert {p["name"]: p["containerPort"] for p in head["ports"]}["daedalus-metrics"] == env.control_port
+    assert {p["name"]: p["containerPort"] for p in head["ports"]}["trainer-metrics"] == env.control_port
     config = json.loads(made["local-tiny-config/configmaps"]["data"]["config.json"])
     assert config["metadata"] == {"name": "local-tiny", "namespace": "ml", "uid": job["metadata"]["uid"]}
     assert config["spec"]["checkpoint"]["path"] == str(env.checkpoints)
@@ -120,7 +120,7 @@ def test_deletion_is_bounded_when_cleanup_keeps_failing(env: OperatorEnv) -> Non
     env.kube.delete("daedalus.dev/v1alpha1/rltrainingjobs", "ml", "local-tiny")
     wait_for(lambda: env.get_job() is None, timeout=40, message="the finalizer to be released")
     took = time.monotonic() - t0
-    assert fault.hits >= 2 and 2.5 <= took < 30, (fault.hits, took)
+    assert fault.hits >= 2 and 3.0 <= took < 30, (fault.hits, took)
     # the operator's own deletes all failed; owner-reference GC removed the RayCluster once the job was gone
     assert env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray") is None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,35 @@ def test_raycluster_validates_against_kuberay(raycluster_schema, example: str, n
     assert len(rc["metadata"]["name"]) <= 53 and api.is_dns_label(rc["metadata"]["name"])
 
 
+#: core/v1 ContainerPort.name: an IANA_SVC_NAME (k8s.io/apimachinery/pkg/util/validation IsValidPortName): at most 15
+#: lowercase letters, digits and single hyphens, at least one letter. The OpenAPI schema cannot say it; the API server
+#: rejects the pod (a RayCluster is accepted, then KubeRay fails to create its pods).
+IANA_SVC_NAME = re.compile(r"^(?=.{1,15}$)(?=.*[a-z])[a-z0-9]+(-[a-z0-9]+)*$")
+
+
+def pod_templates(obj: dict) -> list[dict]:
+    spec = obj["spec"].get("rayClusterConfig", obj["spec"])
+    return [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+
+
+@pytest.mark.parametrize("example", [TINY, HYPERPOD])
+def test_pod_templates_are_valid_pods(example: str) -> None:
+    job = view(example, serving__enabled=True)
+    for obj in (r.build_raycluster(job, SETTINGS), r.build_rayservice(job, "s3://b/exports")):
+        for template in pod_templates(obj):
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": dict(template["metadata"], name="p"),
+                   "spec": template["spec"]}
+            kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+            for container in template["spec"]["containers"]:
+                for port in container.get("ports", []):
+                    assert IANA_SVC_NAME.match(port["name"]), port["name"]
+
+
+def test_port_name_rule_is_real() -> None:
+    assert not IANA_SVC_NAME.match("daedalus-metrics")  # 16 characters: the API server says "must be no more than 15"
+    assert IANA_SVC_NAME.match("trainer-metrics") and not IANA_SVC_NAME.match("a--b") and not IANA_SVC_NAME.match("80")
+
+
 def test_strict_schema_catches_a_misspelled_field(raycluster_schema) -> None:
     rc = r.build_raycluster(view(TINY), SETTINGS)
     bad = copy.deepcopy(rc)
@@ -117,7 +147,7 @@ def test_raycluster_hyperpod_shape() -> None:
     hc = hpod["containers"][0]
     assert api.GPU_RESOURCE not in hc["resources"]["limits"] and hc["resources"]["limits"]["cpu"] == "8"
     ports = {p["name"]: p["containerPort"] for p in hc["ports"]}
-    assert ports["daedalus-metrics"] == 9400 and ports["dashboard"] == 8265
+    assert ports["trainer-metrics"] == 9400 and ports["dashboard"] == 8265
     mounts = {m["name"]: m["mountPath"] for m in hc["volumeMounts"]}
     assert mounts == {"shared": "/fsx", "config": "/etc/daedalus", "control-token": "/var/run/secrets/daedalus"}
     env = {e["name"]: e["value"] for e in hc["env"]}
