@@ -160,3 +160,27 @@ def test_operator_restart_mid_run_never_submits_twice(env: OperatorEnv) -> None:
     assert stopped_at_step < STEPS
     assert env.event_reasons().count("Submitted") == 1
     assert api.FINALIZER in env.get_job()["metadata"]["finalizers"]
+
+
+def test_suspend_checkpoints_frees_the_cluster_and_resume_continues(env: OperatorEnv) -> None:
+    env.apply(env.job_manifest(algorithm__steps=STEPS, checkpoint__intervalSteps=INTERVAL))
+    env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= 4, timeout=120,
+                    message="attempt 1 stepping")
+    env.kube.patch("daedalus.dev/v1alpha1/rltrainingjobs", "ml", "local-tiny", {"spec": {"suspend": True}})
+    st = env.wait_phase("Suspended", timeout=60)
+    assert {c["type"]: c["status"] for c in st["conditions"]}["Suspended"] == "True"
+    wait_for(lambda: env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray") is None, timeout=30,
+             message="the RayCluster to be deleted while suspended")
+    wait_for(lambda: not env.kube.list("v1/pods", "ml"), timeout=30, message="the pods to be collected")
+    suspended_at = max(attempts(env)[1])
+    assert st["latestCheckpoint"]["step"] == suspended_at  # checkpointed right where it stopped
+    time.sleep(1.0)
+    assert max(attempts(env)[1]) == suspended_at  # nothing runs while suspended
+    env.kube.patch("daedalus.dev/v1alpha1/rltrainingjobs", "ml", "local-tiny", {"spec": {"suspend": False}})
+    st = env.wait_phase("Succeeded", timeout=150)
+    steps = attempts(env)
+    assert min(steps[2]) == suspended_at + 1 and steps[2][-1] == STEPS  # zero lost steps across the suspension
+    assert st["attempt"] == 2 and st["restarts"] == 0  # a suspension is not a restart
+    reasons = env.event_reasons()
+    assert reasons.index("Suspend") < reasons.index("Suspended") < reasons.index("Resumed") < reasons.index(
+        "Succeeded"), reasons

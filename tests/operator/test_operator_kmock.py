@@ -151,3 +151,15 @@ def test_watch_timeout_is_sent_and_streams_restart(env: OperatorEnv) -> None:
     assert len(watches) >= 2 and all(r.params.get("timeoutSeconds") == "1" for r in watches)
     env.apply(env.job_manifest())  # still served after the restarts
     env.wait_phase("Provisioning", timeout=30)
+
+
+def test_raycluster_deleted_by_hand_is_recreated(env: OperatorEnv) -> None:
+    env.apply(env.job_manifest())
+    first = wait_for(lambda: env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray"), timeout=30,
+                     message="the RayCluster")
+    token = env.kube.get("v1/secrets", "ml", "local-tiny-control")["data"]["token"]
+    env.kube.delete("ray.io/v1/rayclusters", "ml", "local-tiny-ray")
+    again = wait_for(lambda: (lambda rc: rc if rc and rc["metadata"]["uid"] != first["metadata"]["uid"] else None)(
+        env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray")), timeout=30, message="a new RayCluster")
+    assert again["spec"] == first["spec"]
+    assert env.kube.get("v1/secrets", "ml", "local-tiny-control")["data"]["token"] == token
