@@ -224,6 +224,9 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
                       "daedalus.dev/attempt": str(action.attempt)})
         logger.info(f"Ray job {action.submission_id} {'submitted' if result.created else 'was already submitted'}")
     elif isinstance(action, RequestCheckpoint):
+        previous = rt.calls.get(action.submission_id)
+        if previous.error and "HTTP 401" in previous.error:
+            rt.tokens.pop(job.uid, None)  # the Secret was replaced: read the token again
         if not c.control_url:
             raise RayUnreachable("no head address for the checkpoint request")
         control = TrainerControl(c.control_url, token=_token(rt, job), timeout=rt.settings.request_timeout)

@@ -215,7 +215,6 @@ class FakeKubeRay:
         pod["status"] = status
 
     def _reconcile_cluster(self, cluster: dict, pods: list[dict], nodes: dict[str, dict]) -> None:
-        ns, cname = cluster["metadata"]["namespace"], cluster["metadata"]["name"]
         spec = cluster["spec"]
         live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         wanted = [("head", "headgroup", spec["headGroupSpec"]["template"], 1)]
