@@ -1,0 +1,197 @@
+"""The Helm chart on a real kube-apiserver 1.20: ``helm install`` with the real helm binary, the objects the server
+stored, the chart's RBAC judged by the real RBAC authorizer for every call the operator makes, and the RBAC
+demonstration: a chart with one verb removed from its ClusterRole makes the operator report the 403.
+
+The chart is installed from a copy with ``kubeVersion`` relaxed (it requires >= 1.29) and ``--skip-crds`` (the
+RLTrainingJob CRD is installed stripped of its CEL rules, which 1.20 does not know; see ``cluster_support``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from cluster_support import (
+    RELEASE,
+    RELEASE_NAMESPACE,
+    ChartOperator,
+    Jobs,
+    KubeREST,
+    chart_for_1_20,
+    example,
+    helm,
+    helm_install,
+    installed_chart,
+)
+from chartlib import Helm, find_helm  # noqa: E402 - on sys.path through cluster_support
+from daedalus_trainer.config import RLTrainingJobStatus, parse_job
+from kubernetes import client
+
+from daedalus_operator import api, resources
+from daedalus_operator.plan import JobView
+from daedalus_operator.settings import OperatorSettings
+
+#: kind -> (group/version/plural key, namespaced) for the objects the chart renders with default values.
+KINDS = {
+    "ServiceAccount": ("v1/serviceaccounts", True),
+    "ConfigMap": ("v1/configmaps", True),
+    "Service": ("v1/services", True),
+    "Deployment": ("apps/v1/deployments", True),
+    "ClusterRole": ("rbac.authorization.k8s.io/v1/clusterroles", False),
+    "ClusterRoleBinding": ("rbac.authorization.k8s.io/v1/clusterrolebindings", False),
+}
+
+#: Every (verb, group, resource, subresource) the operator needs, with where it comes from. Cluster-wide mode: the
+#: chart's ClusterRole must grant each in any namespace.
+OPERATOR_CALLS = [
+    # kopf: watching the jobs (clusterwide list/watch), finalizer and progress annotations, events.
+    ("list", "daedalus.dev", "rltrainingjobs", ""),
+    ("watch", "daedalus.dev", "rltrainingjobs", ""),
+    ("patch", "daedalus.dev", "rltrainingjobs", ""),
+    ("create", "", "events", ""),
+    # handlers.register: kopf indexes of pods, nodes, RayClusters and RayServices.
+    *[(verb, group, resource, "") for verb in ("list", "watch")
+      for group, resource in (("", "pods"), ("", "nodes"), ("ray.io", "rayclusters"), ("ray.io", "rayservices"))],
+    # handlers.reconcile: fresh GET of the job, the status write; the liveness probe lists jobs.
+    ("get", "daedalus.dev", "rltrainingjobs", ""),
+    ("patch", "daedalus.dev", "rltrainingjobs", "status"),
+    # handlers.ensure_children / execute: the children, the token read-back, the ConfigMap update.
+    *[("create", group, resource, "") for group, resource in (
+        ("", "configmaps"), ("", "secrets"), ("networking.k8s.io", "networkpolicies"), ("ray.io", "rayclusters"),
+        ("ray.io", "rayservices"))],
+    ("get", "", "configmaps", ""),
+    ("patch", "", "configmaps", ""),
+    ("get", "", "secrets", ""),
+    # execute(DeleteCluster), execute(DeletePods): recovery deletes the cluster or the pods on replaced nodes.
+    ("delete", "ray.io", "rayclusters", ""),
+    ("delete", "", "pods", ""),
+    # handlers.finalize: every child.
+    *[("delete", group, resource, "") for group, resource in (
+        ("ray.io", "rayservices"), ("networking.k8s.io", "networkpolicies"), ("", "configmaps"), ("", "secrets"))],
+    ("get", "ray.io", "rayclusters", ""),
+]
+#: Calls the operator never makes and the chart must not grant (least privilege; also shows the review can say no).
+NOT_GRANTED = [
+    ("create", "daedalus.dev", "rltrainingjobs", ""),
+    ("delete", "daedalus.dev", "rltrainingjobs", ""),
+    ("create", "", "pods", ""),
+    ("patch", "", "nodes", ""),
+    ("create", "rbac.authorization.k8s.io", "clusterrolebindings", ""),
+    ("patch", "ray.io", "rayclusters", "status"),
+]
+
+
+@pytest.fixture(scope="module")
+def helm_binary() -> str:
+    return find_helm()
+
+
+@pytest.fixture(scope="module")
+def release(helm_binary, control_plane):
+    return installed_chart(helm_binary, control_plane)
+
+
+@pytest.fixture(scope="module")
+def admin(control_plane) -> KubeREST:
+    return KubeREST(control_plane.kubeconfig)
+
+
+def may(api_client, verb: str, group: str, resource: str, subresource: str, namespace: str) -> bool:
+    """The real RBAC authorizer's answer for the caller of ``api_client`` (SelfSubjectAccessReview)."""
+    attrs = client.V1ResourceAttributes(verb=verb, group=group, resource=resource, subresource=subresource or None,
+                                        namespace=namespace)
+    review = client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(resource_attributes=attrs))
+    return client.AuthorizationV1Api(api_client).create_self_subject_access_review(review).status.allowed
+
+
+def rule_verbs(role: dict, group: str, resource: str) -> set[str]:
+    return {v for r in role["rules"] if group in r.get("apiGroups", []) and resource in r.get("resources", [])
+            for v in r.get("verbs", [])}
+
+
+def test_helm_install_stores_every_rendered_object(helm_binary, control_plane, release, admin):
+    status = helm(helm_binary, control_plane, "status", RELEASE, "--namespace", RELEASE_NAMESPACE, "-o", "json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["info"]["status"] == "deployed"
+    kinds = sorted(d["kind"] for d in release.manifest)
+    assert set(kinds) == set(KINDS), kinds  # default values: no monitors, no peering objects
+    for doc in release.manifest:
+        key, namespaced = KINDS[doc["kind"]]
+        stored = admin.get(key, RELEASE_NAMESPACE if namespaced else None, doc["metadata"]["name"])
+        assert stored is not None, f"{doc['kind']}/{doc['metadata']['name']} not on the server"
+        assert stored["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+        if doc["kind"] == "ClusterRole":
+            assert stored["rules"] == doc["rules"]  # nothing of the rules dropped by the server
+    account = admin.get("v1/serviceaccounts", RELEASE_NAMESPACE, release.service_account)
+    assert account["automountServiceAccountToken"] is False
+    binding = admin.get("rbac.authorization.k8s.io/v1/clusterrolebindings", None, "daedalus")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": release.service_account,
+                                    "namespace": RELEASE_NAMESPACE}]
+    # the operator's arguments as stored: cluster-wide, its own namespace and pod labels for the NetworkPolicy
+    assert "--all-namespaces" in release.args and "--standalone" in release.args
+    assert f"--operator-namespace={RELEASE_NAMESPACE}" in release.args
+    assert "--operator-pod-label=app.kubernetes.io/name=daedalus" in release.args
+
+
+def test_chart_rbac_authorises_every_call_the_operator_makes_and_nothing_more(control_plane, release, namespace):
+    with control_plane.api_client(release.kubeconfig) as sa:
+        denied = [call for call in OPERATOR_CALLS if not may(sa, *call, namespace)]
+        granted = [call for call in NOT_GRANTED if may(sa, *call, namespace)]
+    assert denied == [], f"the chart's ServiceAccount may not: {denied}"
+    assert granted == [], f"the chart's ServiceAccount may, without need: {granted}"
+
+
+def test_a_verb_removed_from_the_cluster_role_is_reported_as_a_403_condition(
+        helm_binary, control_plane, release, admin, namespace, tmp_path):
+    """The RBAC demonstration as a test: the chart without ``create`` on rayclusters. The operator, running with that
+    chart's ServiceAccount, creates what it may (ConfigMap, Secret, NetworkPolicy), is refused the RayCluster, and
+    says so in the ``Reconciling`` condition (reason ``APIError``) instead of failing silently."""
+    broken = chart_for_1_20(tmp_path / "chart", drop_verbs=(("rayclusters", "create"),))
+    name = "daedalus-rbac-check"
+    rel = helm_install(helm_binary, control_plane, broken, release=name, namespace=name)
+    jobs = Jobs(admin, namespace)
+    try:
+        good = admin.get("rbac.authorization.k8s.io/v1/clusterroles", None, "daedalus")
+        bad = admin.get("rbac.authorization.k8s.io/v1/clusterroles", None, name)
+        assert rule_verbs(good, "ray.io", "rayclusters") - rule_verbs(bad, "ray.io", "rayclusters") == {"create"}
+        operator = ChartOperator(rel, tmp_path).start()
+        try:
+            jobs.create(example("local-tiny.yaml", namespace))
+            st = jobs.wait_status("local-tiny", lambda s: {c["type"]: c for c in s.get("conditions") or []}
+                                  .get("Reconciling", {}).get("reason") == "APIError", timeout=60,
+                                  message="Reconciling=APIError")
+            message = {c["type"]: c for c in st["conditions"]}["Reconciling"]["message"]
+            logging.getLogger(__name__).warning("RBAC demonstration, Reconciling condition: %s", message)
+            assert message.startswith("EnsureChildren: 403 Forbidden"), message
+            assert f"system:serviceaccount:{name}:{rel.service_account}" in message
+            assert 'cannot create resource "rayclusters"' in message
+            assert st["phase"] == "Provisioning"
+            for key, child in (("v1/configmaps", api.config_map_name("local-tiny")),
+                               ("v1/secrets", api.secret_name("local-tiny")),
+                               ("networking.k8s.io/v1/networkpolicies", api.network_policy_name("local-tiny"))):
+                assert admin.get(key, namespace, child) is not None, child
+            assert admin.get("ray.io/v1/rayclusters", namespace, api.raycluster_name("local-tiny")) is None
+        finally:
+            operator.stop()
+    finally:
+        jobs.release_finalizers()
+        helm(helm_binary, control_plane, "uninstall", name, "--namespace", name)
+        with control_plane.api_client() as api_client:
+            client.CoreV1Api(api_client).delete_namespace(name)
+    assert admin.get("rbac.authorization.k8s.io/v1/clusterroles", None, name) is None  # restored
+
+
+def test_the_pod_monitor_scrapes_a_port_the_operator_gives_the_ray_head(helm_binary, tmp_path):
+    """No server needed: the chart's PodMonitor names the trainer's port by name; that name must be one the
+    operator puts on the head container (a renamed port would leave Prometheus with no target)."""
+    docs = Helm(helm_binary, tmp_path).template({"metrics": {"podMonitor": {"enabled": True}}})
+    (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    job = parse_job(example("local-tiny.yaml", "ml"))
+    view = JobView(name="local-tiny", namespace="ml", uid="6a1b2c3d-0000-4000-8000-000000000001", generation=1,
+                   spec=job.spec, status=RLTrainingJobStatus())
+    cluster = resources.build_raycluster(view, OperatorSettings())
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert endpoint["port"] in ports, (endpoint["port"], sorted(ports))
+    assert ports[endpoint["port"]] == api.CONTROL_PORT

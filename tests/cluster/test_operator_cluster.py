@@ -1,0 +1,394 @@
+"""The Daedalus operator against a real kube-apiserver 1.20 + etcd + kube-controller-manager, installed by the Helm
+chart and running **with the chart's ServiceAccount token** (``cluster_support.ChartOperator``), so every call it
+makes is judged by the real RBAC authorizer against the chart's rules.
+
+What kmock cannot show and these tests do: the examples through the real CRD (defaulting, validation); every status
+field surviving structural-schema pruning (a pruned field would be rewritten on every poll); a status write with a
+stale resourceVersion refused by the server and retried; owner-reference garbage collection by the real
+kube-controller-manager; the finalizer released when the Ray dashboard does not answer; one full job with a HyperPod
+node replacement driven by the fake KubeRay and a real local Ray head (slow).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import time
+import types
+import typing
+from pathlib import Path
+
+import kopf
+import pytest
+from cluster_support import (
+    ChartOperator,
+    ClusterKubeRay,
+    Jobs,
+    KubeREST,
+    example,
+    free_port,
+    gc_discovery_wait,
+    installed_chart,
+    missing_paths,
+    steady_resource_version,
+    wait_for,
+)
+from chartlib import find_helm  # noqa: E402 - on sys.path through cluster_support
+from daedalus_trainer.config import RLTrainingJobStatus
+from pydantic import BaseModel
+
+from daedalus_operator import api, kube
+from daedalus_operator.handlers import Runtime, reconcile
+from daedalus_operator.metrics import OperatorMetrics
+from daedalus_operator.settings import OperatorSettings
+
+
+TINY = "local-tiny.yaml"
+HYPERPOD = "hyperpod-qwen3vl-8b.yaml"
+#: The four children of a job: (group/version/plural, name helper).
+CHILDREN = [("v1/configmaps", api.config_map_name), ("v1/secrets", api.secret_name),
+            ("networking.k8s.io/v1/networkpolicies", api.network_policy_name),
+            ("ray.io/v1/rayclusters", api.raycluster_name)]
+
+
+@pytest.fixture(scope="module")
+def helm_binary() -> str:
+    return find_helm()
+
+
+@pytest.fixture(scope="module")
+def release(helm_binary, control_plane):
+    return installed_chart(helm_binary, control_plane)
+
+
+@pytest.fixture(scope="module")
+def admin(control_plane) -> KubeREST:
+    return KubeREST(control_plane.kubeconfig)
+
+
+@pytest.fixture
+def jobs(admin, namespace):
+    j = Jobs(admin, namespace)
+    yield j
+    j.release_finalizers()  # no operator may be left to do it; the namespace can then be deleted
+
+
+@pytest.fixture
+def operator(release, tmp_path, request):
+    """The operator as the chart runs it (params: `ChartOperator` keyword arguments)."""
+    op = ChartOperator(release, tmp_path, **getattr(request, "param", {})).start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def fake_kuberay(admin, namespace, request):
+    """The fake KubeRay/scheduler/kubelet against the real server; nodes ``<namespace>-a`` and ``-b`` are removed
+    afterwards. Param: the dashboard port it publishes (default: a port nothing listens on)."""
+    made: list[ClusterKubeRay] = []
+
+    def start(dashboard_port: int, volume_root: Path) -> ClusterKubeRay:
+        fake = ClusterKubeRay(admin, dashboard_port=dashboard_port, volume_root=volume_root).start()
+        made.append(fake)
+        return fake
+
+    yield start
+    for fake in made:
+        fake.stop()
+    for pod in admin.list("v1/pods", namespace):  # no kubelet: complete their deletion so the namespace can go
+        admin.force_delete("v1/pods", namespace, pod["metadata"]["name"])
+    for node in admin.list("v1/nodes"):
+        if node["metadata"]["name"].startswith(namespace):
+            admin.delete("v1/nodes", None, node["metadata"]["name"])
+
+
+def children(admin: KubeREST, namespace: str, job: str) -> dict[str, dict | None]:
+    return {f"{key.split('/')[-1]}/{fn(job)}": admin.get(key, namespace, fn(job)) for key, fn in CHILDREN}
+
+
+def owner_ref(job: dict) -> list[dict]:
+    return [{"apiVersion": "daedalus.dev/v1alpha1", "kind": "RLTrainingJob", "name": job["metadata"]["name"],
+             "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+
+
+# ------------------------------------------------------------------------------------------------ the examples
+def test_examples_reach_their_documented_state_with_the_charts_service_account(operator, jobs, admin, namespace):
+    tiny = jobs.create(example(TINY, namespace))
+    hyper = jobs.create(example(HYPERPOD, namespace))
+    # the real CRD defaulted what the examples leave out (structural-schema defaulting)
+    assert tiny["spec"]["checkpoint"]["path"] == "/checkpoints"
+    assert tiny["spec"]["cluster"]["rayVersion"] == "2.60.0"
+    assert hyper["spec"]["resilience"]["checkpointTimeoutSeconds"] == 300
+    for job in (tiny, hyper):
+        name = job["metadata"]["name"]
+        st = jobs.wait_status(name, lambda s: s.get("phase") == "Provisioning" and s.get("rayClusterName"),
+                              timeout=60, message="Provisioning with a RayCluster name")
+        assert st["rayClusterName"] == api.raycluster_name(name)
+        assert st["totalSteps"] == job["spec"]["algorithm"]["steps"] and st["observedGeneration"] == 1
+        conds = {c["type"]: c for c in st["conditions"]}
+        assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("False", "Provisioning")
+        assert (conds["Reconciling"]["status"], conds["Reconciling"]["message"]) == (
+            "True", "waiting for the RayCluster to become ready")
+        made = wait_for(lambda: (lambda c: c if all(c.values()) else None)(children(admin, namespace, name)),
+                        timeout=30, message=f"the children of {name}")
+        for key, obj in made.items():
+            assert obj["metadata"]["ownerReferences"] == owner_ref(job), key
+            assert obj["metadata"]["labels"][api.JOB_LABEL] == name, key
+        assert api.FINALIZER in jobs.get(name)["metadata"]["finalizers"]
+        assert "Provisioning" in [e["reason"] for e in jobs.events(name)]
+    # the HyperPod job: GPU/EFA workers on Schedulable nodes only; no GPUs here, so it waits for KubeRay
+    cluster = admin.get("ray.io/v1/rayclusters", namespace, api.raycluster_name(hyper["metadata"]["name"]))
+    (workers,) = cluster["spec"]["workerGroupSpecs"]
+    limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert (limits["nvidia.com/gpu"], limits["vpc.amazonaws.com/efa"]) == (8, 32)
+    terms = workers["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": api.HYPERPOD_HEALTH_LABEL, "operator": "In",
+                                            "values": ["Schedulable"]}]}]
+    # steady state: nothing is rewritten, so every status field the operator wrote came back unpruned
+    for job in (tiny, hyper):
+        steady_resource_version(jobs, job["metadata"]["name"], polls=4, poll=operator.poll)
+    # deletion with the operator running: the finalizer deletes the children and lets go
+    admin.delete(kube.RLTJ, namespace, "local-tiny")
+    wait_for(lambda: jobs.get("local-tiny") is None, timeout=30, message="local-tiny to be deleted")
+    assert not any(children(admin, namespace, "local-tiny").values())
+    assert jobs.status(hyper["metadata"]["name"])["phase"] == "Provisioning"  # the other job is untouched
+
+
+# ------------------------------------------------------------------------------------------------ status pruning
+_counter = itertools.count(1)
+
+
+def sample(annotation: typing.Any, name: str) -> typing.Any:
+    """A valid, distinct, non-default value of a pydantic field type (RFC 3339 strings for time fields)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return sample(next(a for a in args if a is not type(None)), name)
+    if origin is list:
+        return [sample(args[0], name)]
+    if origin is typing.Literal:
+        return args[-1]
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return list(annotation)[-1]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return populated(annotation)
+    n = next(_counter)
+    if annotation is bool:
+        return True
+    if annotation is int:
+        return n
+    if annotation is float:
+        return n + 0.25
+    if annotation is str:
+        if name.endswith(("time", "_at", "since", "before")):
+            return f"2026-11-30T08:{n // 60 % 60:02d}:{n % 60:02d}Z"
+        return f"{name}-{n}"
+    raise TypeError(f"no sample for {name}: {annotation!r}")
+
+
+def populated(model: type[BaseModel]) -> BaseModel:
+    """An instance of ``model`` with every field (recursively) set to a non-default value."""
+    return model(**{name: sample(field.annotation, name) for name, field in model.model_fields.items()})
+
+
+def leaf_count(model: type[BaseModel]) -> int:
+    total = 0
+    for field in model.model_fields.values():
+        inner = [a for a in typing.get_args(field.annotation) or (field.annotation,) if a is not type(None)]
+        inner = [typing.get_args(a)[0] if typing.get_origin(a) is list else a for a in inner]
+        sub = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        total += leaf_count(sub) if sub else 1
+    return total
+
+
+def leaves(doc: typing.Any) -> int:
+    if isinstance(doc, dict):
+        return sum(leaves(v) for v in doc.values())
+    if isinstance(doc, list):
+        return sum(leaves(v) for v in doc)
+    return 1
+
+
+def test_every_status_field_the_operator_can_write_survives_structural_pruning(jobs, admin, namespace):
+    """compute_status writes ``RLTrainingJobStatus.model_dump(by_alias=True, mode="json")``: every field of that
+    model, set at once, goes through the status subresource and comes back unchanged."""
+    jobs.create(example(TINY, namespace))
+    status = populated(RLTrainingJobStatus).model_dump(by_alias=True, mode="json", exclude_none=True)
+    assert leaves(status) == leaf_count(RLTrainingJobStatus)  # every field, nested ones included, is set
+    admin.patch(kube.RLTJ, namespace, "local-tiny", {"status": status}, status=True)
+    stored = jobs.status("local-tiny")
+    assert missing_paths(status, stored) == []
+    assert stored == status
+    # the control: a field the schema does not know is pruned, silently
+    admin.patch(kube.RLTJ, namespace, "local-tiny", {"status": {"notInTheSchema": 1}}, status=True)
+    assert "notInTheSchema" not in jobs.status("local-tiny")
+
+
+# ------------------------------------------------------------------------------------------------ 409 and retry
+class InterferingIndex(dict):
+    """Stands in for kopf's ``clusters_by_job`` index: looking it up (inside ``gather``, after the reconcile's GET and
+    before its status write) makes another client write to the job once, as a concurrent writer would."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.write = write
+        self.writes = 0
+
+    def get(self, key, default=None):
+        if not self.writes:
+            self.write()
+            self.writes += 1
+        return default
+
+
+def test_a_status_write_with_a_stale_resource_version_is_refused_and_retried(release, jobs, admin, namespace,
+                                                                           tmp_path):
+    jobs.create(example(TINY, namespace))
+    settings = OperatorSettings(kubeconfig=str(release.kubeconfig), operator_namespace=release.namespace,
+                                config_dir=str(tmp_path / "etc"), token_dir=str(tmp_path / "token"))
+    rt = Runtime(settings=settings, metrics=OperatorMetrics(),
+                 kube=kube.KubeAPI(kube.api_client_from_environment(str(release.kubeconfig))))
+    logger = logging.getLogger("test.reconcile")
+    interfering = InterferingIndex(lambda: admin.patch(kube.RLTJ, namespace, "local-tiny",
+                                                       {"metadata": {"annotations": {"touched-by": "someone"}}}))
+    before = jobs.get("local-tiny")["metadata"]["resourceVersion"]
+    with pytest.raises(kopf.TemporaryError, match="409 Conflict"):
+        reconcile(rt, namespace, "local-tiny", {"clusters_by_job": interfering}, logger)
+    assert interfering.writes == 1
+    after = jobs.get("local-tiny")
+    assert int(after["metadata"]["resourceVersion"]) > int(before)  # only the other writer's change landed
+    assert "status" not in after and not any(children(admin, namespace, "local-tiny").values())  # nothing executed
+    assert 'daedalus_operator_reconciles_total{result="error"} 1.0' in _metrics(rt)
+    # kopf retries a TemporaryError; here the retry is the operator's next reconcile, planned from the fresh object
+    operator = ChartOperator(release, tmp_path).start()
+    try:
+        st = jobs.wait_phase("local-tiny", "Provisioning", timeout=60)
+        assert st["observedGeneration"] == 1 and st["rayClusterName"] == api.raycluster_name("local-tiny")
+        wait_for(lambda: all(children(admin, namespace, "local-tiny").values()), timeout=30, message="the children")
+    finally:
+        operator.stop()
+
+
+def _metrics(rt: Runtime) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(rt.metrics.registry).decode()
+
+
+# ------------------------------------------------------------------------------------------------ deletion
+def test_deleting_a_job_garbage_collects_its_children(control_plane, release, jobs, admin, namespace, tmp_path):
+    """The operator creates the children and stops; the job is deleted and its finalizer removed by hand, so only the
+    real garbage collector (kube-controller-manager) can delete the children, by their owner references."""
+    operator = ChartOperator(release, tmp_path).start()
+    try:
+        job = jobs.create(example(TINY, namespace))
+        made = wait_for(lambda: (lambda c: c if all(c.values()) else None)(children(admin, namespace, "local-tiny")),
+                        timeout=60, message="the children")
+    finally:
+        operator.stop()
+    for key, obj in made.items():
+        assert obj["metadata"]["ownerReferences"] == owner_ref(job), key
+    delay = gc_discovery_wait(control_plane)
+    if delay:
+        logging.getLogger(__name__).warning("waiting %.0f s for the garbage collector to discover the CRD", delay)
+        time.sleep(delay)
+    admin.delete(kube.RLTJ, namespace, "local-tiny")
+    assert jobs.get("local-tiny")["metadata"]["deletionTimestamp"]  # held by our finalizer; no operator runs
+    time.sleep(1.0)
+    assert all(children(admin, namespace, "local-tiny").values())  # the owner still exists: nothing collected
+    jobs.release_finalizers()
+    wait_for(lambda: jobs.get("local-tiny") is None, timeout=10, message="the job to go")
+    left = wait_for(lambda: (lambda c: c if not any(c.values()) else None)(children(admin, namespace, "local-tiny")),
+                    timeout=60, message="garbage collection of the children")
+    assert set(left) == {f"{key.split('/')[-1]}/{fn('local-tiny')}" for key, fn in CHILDREN}
+
+
+@pytest.mark.parametrize("operator", [{"extra_args": ("--deletion-timeout=4",)}], indirect=True)
+def test_the_finalizer_is_released_when_the_ray_dashboard_is_unreachable(operator, fake_kuberay, jobs, admin,
+                                                                        namespace, caplog):
+    dead = free_port()  # nothing listens there: the RayCluster's dashboard never answers
+    fake = fake_kuberay(dead, operator.volumes)
+    fake.add_node(f"{namespace}-a")
+    jobs.create(example(TINY, namespace))
+    # the cluster comes up; the operator records the submission id, then cannot reach the dashboard to submit
+    st = jobs.wait_status("local-tiny", lambda s: s.get("submissionId"), timeout=60, message="a submission id")
+    sid = st["submissionId"]
+    assert st["dashboardUrl"] == f"http://127.0.0.1:{dead}"
+    caplog.set_level(logging.INFO)
+    started = time.monotonic()
+    admin.delete(kube.RLTJ, namespace, "local-tiny")
+    wait_for(lambda: jobs.get("local-tiny") is None, timeout=40, message="the finalizer to be released")
+    took = time.monotonic() - started
+    assert took < 20.0, took
+    messages = [r.getMessage() for r in caplog.records if r.name == "kopf.objects"]
+    failed = [m for m in messages if m.startswith("Handler 'finalize' failed temporarily")]
+    # the first pass could not stop the Ray job (and deleted the children); the retry found no cluster left to
+    # reach and released the finalizer (bounded in any case by --deletion-timeout)
+    assert failed and f"stop {sid}: Ray dashboard http://127.0.0.1:{dead} unreachable" in failed[0], messages
+    assert messages.index(failed[0]) < messages.index("Handler 'finalize' succeeded.")
+    assert not any(children(admin, namespace, "local-tiny").values())  # the children went all the same
+
+
+# ------------------------------------------------------------------------------------------------ a full job
+@pytest.fixture(scope="module")
+def ray_head():
+    from ray_head import start_ray_head
+
+    head = start_ray_head(num_cpus=2)
+    yield head
+    head.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("operator", [{"step_seconds": 0.3}], indirect=True)
+def test_a_full_job_succeeds_through_a_hyperpod_node_replacement(ray_head, operator, fake_kuberay, jobs, admin,
+                                                                 namespace):
+    """Fake KubeRay + a real local Ray head + the stand-in trainer: the job runs, HyperPod marks the node under it
+    ``UnschedulablePendingReplacement``, the operator checkpoints, stops, moves the pods and resumes without losing a
+    step, and the job ends Succeeded; the real server stores every status field on the way."""
+    fake = fake_kuberay(ray_head.dashboard_port, operator.volumes)
+    node_a, node_b = f"{namespace}-a", f"{namespace}-b"
+    fake.add_node(node_a)
+    jobs.create(example(TINY, namespace, algorithm__steps=24, checkpoint__intervalSteps=5,
+                        checkpoint__path=str(operator.checkpoints), resilience__hyperPod=True,
+                        resilience__restartBackoffSeconds=1))
+    jobs.wait_status("local-tiny", lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= 3,
+                     timeout=120, message="Running at step 3")
+    fake.add_node(node_b)  # the replacement capacity
+    pods = admin.list("v1/pods", namespace, selector=f"{api.JOB_LABEL}=local-tiny")
+    assert {p["spec"]["nodeName"] for p in pods} == {node_a}
+    fake.set_node_health(node_a, api.NodeHealthStatus.PENDING_REPLACEMENT.value)
+    moved = wait_for(lambda: (lambda ps: ps if ps and all(p["spec"].get("nodeName") == node_b for p in ps) else None)(
+        admin.list("v1/pods", namespace, selector=f"{api.JOB_LABEL}=local-tiny")), timeout=90,
+        message="the pods to move to the replacement node")
+    assert len(moved) == 2  # head and one worker, recreated by (fake) KubeRay after the operator deleted them
+    st = jobs.wait_phase("local-tiny", "Succeeded", timeout=90)
+    assert st["attempt"] == 2 and st["restarts"] == 1
+    assert st["lastFailure"]["reason"] == "NodeReplacement" and st["lastFailure"]["node"] == node_a
+    rec = st["lastRecovery"]
+    assert rec["reason"] == "NodeReplacement" and rec["lostSteps"] == 0, rec
+    assert st["currentStep"] == 24 and st["latestCheckpoint"]["step"] >= rec["resumedFromStep"]
+    assert st["adapterPath"].endswith("/exports/adapter")
+    conds = {c["type"]: c["status"] for c in st["conditions"]}
+    assert conds == {"Ready": "True", "Reconciling": "False", "Stalled": "False", "Succeeded": "True",
+                     "Failed": "False", "Suspended": "False"}
+    # the trainer's own record: attempt 2 resumed exactly after the checkpoint, no step ran twice or went missing
+    steps = [r["step"] for r in operator_steps(operator, namespace)]
+    assert sorted(set(steps)) == list(range(1, 25))
+    # the RayCluster is freed after success (its pods, on the replacement node, go with it)
+    wait_for(lambda: admin.get("ray.io/v1/rayclusters", namespace, api.raycluster_name("local-tiny")) is None,
+             timeout=30, message="the RayCluster to be deleted after success")
+    jobs.wait_status("local-tiny", lambda s: "dashboardUrl" not in s, timeout=10, message="no dashboard URL")
+    reasons = [e["reason"] for e in jobs.events("local-tiny")]
+    for reason in ("Provisioning", "Submitted", "NodeReplacement", "Resubmitted", "Recovered", "Succeeded"):
+        assert reason in reasons, reasons
+    steady_resource_version(jobs, "local-tiny", polls=4, poll=operator.poll)
+
+
+def operator_steps(operator: ChartOperator, namespace: str) -> list[dict]:
+    import json
+
+    path = operator.checkpoints / namespace / "local-tiny" / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
