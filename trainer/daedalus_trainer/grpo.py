@@ -163,6 +163,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -254,8 +255,8 @@ class Trainer:
         """
         import ray
 
-        from daedalus_trainer.checkpoint import (AdapterState, CheckpointManager, TrainerState, capture_rng_state,
-                                                 export_adapter)
+        from daedalus_trainer.checkpoint import (AdapterState, CheckpointManager, CheckpointSaveError,
+                                                 TrainerState, capture_rng_state, export_adapter)
         from daedalus_trainer.layouts import TrainingSampler
         from daedalus_trainer.metrics import StepStats
 
@@ -286,27 +287,59 @@ class Trainer:
             log.info("resumed from %s (step %d)", loaded.path, step)
         resumed_from = step if loaded is not None else None
 
-        def save(step_now: int):
-            adapter, config, optim = ray.get(learner.checkpoint_state.remote())
-            # Every random draw comes from per-step seeds (mazes: (seed, step, index); sampling: step_seed), so the
-            # sampler state is the step; the global RNG states are recorded for completeness.
-            state = TrainerState(sampler={"seed": algo.seed, "next_step": step_now}, rng=capture_rng_state(),
-                                 metric_history=history, extra={"rollout_workers": len(workers)})
-            self.control.set_status(phase="checkpointing")
-            info = manager.save(step_now, AdapterState(adapter, config), optim, state)
+        # Checkpoints are written by one background thread: the learner's state is copied out first (ray.get
+        # returns copies), so the next step runs while the files are written and fsynced. Writes stay in order,
+        # one at a time; a step's checkpoint is answered to POST /checkpoint callers when it is committed.
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="daedalus-checkpoint")
+        pending: list[Future] = []
+
+        def write(step_now: int, adapter, config, optim, state) -> Any:
+            try:
+                info = manager.save(step_now, AdapterState(adapter, config), optim, state)
+            except CheckpointSaveError as exc:
+                # The previous checkpoint is intact; training goes on and the stale-checkpoint alert fires.
+                log.error("checkpoint at step %d failed, previous checkpoint kept: %s", step_now, exc)
+                self.control.checkpoint_failed(str(exc))
+                raise
             self.metrics.observe_checkpoint(info)
             self.control.checkpoint_done(info)
-            self.control.set_status(phase="training", latest_checkpoint=info)
+            self.control.set_status(latest_checkpoint=info)
             log.info("checkpoint step %d written to %s (%.2f s, %d bytes)", step_now, info.path, info.seconds,
                      info.bytes)
             return info
 
+        def settle(final: bool = False) -> Any:
+            """Wait for the queued write; return its info (None if it failed and this is not the final one)."""
+            nonlocal latest
+            while pending:
+                future = pending.pop(0)
+                try:
+                    latest = future.result()
+                except CheckpointSaveError:
+                    if final:
+                        raise
+            return latest
+
+        def save(step_now: int, wait: bool = False) -> None:
+            nonlocal saved_step
+            adapter, config, optim = ray.get(learner.checkpoint_state.remote())
+            # Every random draw comes from per-step seeds (mazes: (seed, step, index); sampling: step_seed), so the
+            # sampler state is the step; the global RNG states are recorded for completeness.
+            state = TrainerState(sampler={"seed": algo.seed, "next_step": step_now}, rng=capture_rng_state(),
+                                 metric_history=list(history), extra={"rollout_workers": len(workers)})
+            settle()
+            pending.append(writer.submit(write, step_now, adapter, config, optim, state))
+            saved_step = step_now
+            if wait:
+                settle(final=True)
+
+        saved_step = step if loaded is not None else -1
         self.control.set_status(phase="training", step=step)
         stopped = False
         while step < algo.steps:
             if self.control.stop_requested():
-                if latest is None or latest.step != step:
-                    latest = save(step)  # a stop that arrived after the end-of-step check still gets its checkpoint
+                if saved_step != step:
+                    save(step)  # a stop that arrived after the end-of-step check still gets its checkpoint
                 stopped = True
                 break
             # sample: M mazes for this step, G episodes on each (the same maze within a group)
@@ -339,9 +372,13 @@ class Trainer:
             # checkpoint on the interval, on request (operator before a node replacement), at the end, before a stop
             if (step % ck.interval_steps == 0 or step == algo.steps or self.control.checkpoint_requested()
                     or self.control.stop_requested()):
-                latest = save(step)
-        if not stopped and self.control.checkpoint_requested():
-            latest = save(step)  # a request that arrived after the last step
+                save(step)
+        if not stopped and self.control.checkpoint_requested() and saved_step != step:
+            save(step)  # a request that arrived after the last step
+        try:
+            settle(final=True)  # the last checkpoint must be on disk before exporting or exiting
+        finally:
+            writer.shutdown(wait=True)
         if not stopped and self.final_eval and step == algo.steps:
             self.final_eval_success = self._evaluate(learner, workers, step)
         adapter_dir = None
