@@ -268,7 +268,12 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
         kopf.TemporaryError: the status write failed (conflict or API error); kopf retries.
     """
     started = time.monotonic()
-    body = rt.kube.get(kube.RLTJ, namespace, name)
+    try:
+        body = rt.kube.get(kube.RLTJ, namespace, name)
+    except kube.KubeError as e:
+        rt.metrics.reconciles.labels(result="error").inc()
+        rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
+        raise kopf.TemporaryError(f"API error reading the job: {e}", delay=2.0) from None
     rt.last_api_ok = time.monotonic()
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return None
@@ -277,8 +282,9 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
         return None
     result = "ok"
     last: Plan | None = None
+    conflicts = 0
     try:
-        for loop in range(MAX_LOOPS):
+        for loop in range(MAX_LOOPS + 2):
             if loop:
                 body = rt.kube.get(kube.RLTJ, namespace, name)
                 if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
@@ -301,6 +307,9 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
                                          {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
                                           "status": patch}, status=True)
                 except kube.KubeError as e:
+                    if e.conflict and conflicts < 2:
+                        conflicts += 1  # someone wrote the job since our GET (often kopf's own annotations)
+                        continue  # re-read and re-plan at once
                     result = "error"
                     raise kopf.TemporaryError(f"status write failed ({e}); re-planning from fresh state", delay=1.0)
             for ev in last.events:

@@ -72,6 +72,9 @@ def api_client_from_environment(kubeconfig: str | None = None) -> ApiClient:
         kubernetes.config.load_incluster_config(client_configuration=cfg)
     else:
         kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    # No HTTP-level retries (urllib3 would retry a timed-out GET three times, quadrupling the wait): the reconcile is
+    # retried as a whole by kopf, from fresh state.
+    cfg.retries = False
     return ApiClient(cfg)
 
 

@@ -67,13 +67,17 @@ def test_children_owner_refs_token_metrics_liveness(env: OperatorEnv) -> None:
     body = env.get_job()
     assert api.FINALIZER in body["metadata"]["finalizers"]
     assert {c["type"]: c["status"] for c in body["status"]["conditions"]}["Reconciling"] == "True"
-    # reconciles keep going (poll 0.3 s) but the token is never rotated and the status is not rewritten needlessly
-    rv = body["metadata"]["resourceVersion"]
-    time.sleep(2.0)
+    # reconciles keep going (poll 0.3 s) but the token is never rotated and, once kopf's own bookkeeping settled
+    # (its annotations after a retried handler), the job is not rewritten: ~7 reconciles leave it untouched
+    def steady() -> str | None:
+        rv = env.get_job()["metadata"]["resourceVersion"]
+        time.sleep(2.0)
+        return rv if env.get_job()["metadata"]["resourceVersion"] == rv else None
+
+    wait_for(steady, timeout=20, interval=0, message="no writes to the job for 2 s while polling every 0.3 s")
     again = env.kube.get("v1/secrets", "ml", "local-tiny-control")
     assert base64.b64decode(again["data"]["token"]) == token
     assert again["metadata"]["resourceVersion"] == made["local-tiny-control/secrets"]["metadata"]["resourceVersion"]
-    assert env.get_job()["metadata"]["resourceVersion"] == rv
     assert "Provisioning" in env.event_reasons()
     text = env.metrics_text()
     assert 'daedalus_operator_job_phase{job="local-tiny",namespace="ml",phase="Provisioning"} 1.0' in text
@@ -163,3 +167,14 @@ def test_raycluster_deleted_by_hand_is_recreated(env: OperatorEnv) -> None:
         env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray")), timeout=30, message="a new RayCluster")
     assert again["spec"] == first["spec"]
     assert env.kube.get("v1/secrets", "ml", "local-tiny-control")["data"]["token"] == token
+
+
+def test_api_timeouts_are_retried(env: OperatorEnv) -> None:
+    # the operator's API calls time out after 2 x --request-timeout = 6 s; the job's GET hangs 7 s twice
+    slow = env.api.fault("GET", "rltrainingjobs", name="local-tiny", status=200, delay=7.0, times=2)
+    env.apply(env.job_manifest())
+    st = env.wait_phase("Provisioning", timeout=60)
+    assert slow.hits == 2 and st["rayClusterName"] == "local-tiny-ray"
+    wait_for(lambda: all(children(env).values()), timeout=30, message="children after the timeouts")
+    text = env.metrics_text()
+    assert float(text.split('daedalus_operator_reconciles_total{result="error"} ')[1].split()[0]) >= 1
