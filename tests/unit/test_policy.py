@@ -284,11 +284,25 @@ def test_sampling_params_validation():
     assert SamplingParams(0.0).greedy and SamplingParams(0.0).logprob_temperature == 1.0
 
 
-def test_linear_patch_embedding_matches_the_convolution(tiny_policy):
+def test_fast_vision_paths_match_the_stock_model(tiny_policy, tiny_checkpoint):
+    """Patch embedding as one matmul and batched vision attention: same parameters, same features as transformers'
+    own modules (to float rounding), for same-size and mixed-size images."""
+    from transformers import AutoModelForImageTextToText
+
     from daedalus_trainer.policy import PatchLinearConv3d
 
-    conv = tiny_policy.base_model.model.visual.patch_embed.proj
-    assert type(conv) is PatchLinearConv3d
-    x = torch.randn(40, 3, 2, 16, 16, generator=torch.Generator().manual_seed(0))
-    assert torch.allclose(conv(x), torch.nn.Conv3d.forward(conv, x), atol=1e-5)
-    assert set(tiny_policy.model.state_dict()) >= {"model.visual.patch_embed.proj.weight"}
+    visual = tiny_policy.base_model.model.visual
+    assert type(visual.patch_embed.proj) is PatchLinearConv3d
+    assert all(type(b.attn).__name__ == "BatchedVisionAttention" for b in visual.blocks)
+    stock = AutoModelForImageTextToText.from_pretrained(tiny_checkpoint, local_files_only=True)
+    assert type(stock.model.visual.patch_embed.proj) is torch.nn.Conv3d
+    assert set(stock.state_dict()) == set(tiny_policy.model.state_dict())
+    big = np.kron(_maze_image(1), np.ones((2, 2, 1), np.uint8))  # 224 px: a different patch grid
+    for images in ([_maze_image(s) for s in range(5)], [_maze_image(0), big, _maze_image(2)]):
+        pv, grid = tiny_policy.process_images(images)
+        with torch.no_grad():
+            ours = tiny_policy.base_model.model.get_image_features(pv, grid)
+            theirs = stock.model.get_image_features(pv, grid)
+        assert torch.allclose(torch.cat(ours.pooler_output), torch.cat(theirs.pooler_output), atol=1e-5)
+        for a, b in zip(ours.deepstack_features, theirs.deepstack_features):
+            assert torch.allclose(torch.cat(a), torch.cat(b), atol=1e-5)

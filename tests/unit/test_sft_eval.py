@@ -81,6 +81,27 @@ def test_demonstrations_are_rendered_exactly_like_rollout_turns(tiny_policy, tin
             assert len(seq.images) == len(turn.images) and all((a == b).all() for a, b in zip(seq.images, turn.images))
 
 
+def test_noisy_demonstrations_label_every_state_with_the_expert(tiny_job):
+    """With noise, the executed moves sometimes differ from the labels (wall bumps and detours show up in the next
+    turn's feedback), and every label is the optimal reply from the agent's actual cell, read from the picture."""
+    import numpy as np
+
+    env_spec = tiny_job.spec.environment
+    rng = np.random.default_rng(0)
+    bumps = detours = 0
+    for s in range(30):
+        demo = sft.demonstration(maze_from_seed(7, s), env_spec, noise=0.3, rng=rng)
+        for turn, nxt in zip(demo, demo[1:] + [None]):
+            assert turn.reply == solver_reply(turn.images[-1], 16)
+            if nxt is not None:
+                feedback = nxt.messages[-1]["content"][0]["text"]
+                bumps += feedback.startswith("Hit a wall")
+                detours += feedback.startswith("Moved") and f'"{feedback.split()[1].rstrip(".")}"' not in turn.reply
+    assert bumps > 5 and detours > 5
+    with pytest.raises(ValueError):
+        sft.demonstration(maze_from_seed(7, 0), env_spec, noise=0.5)
+
+
 def test_demo_batches_are_deterministic_and_exclude_eval_layouts(tiny_policy, tiny_job):
     from daedalus_trainer.layouts import TrainingSampler, eval_layout_hashes
 

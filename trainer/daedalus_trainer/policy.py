@@ -541,12 +541,49 @@ class PatchLinearConv3d(torch.nn.Conv3d):
         return super().forward(x)
 
 
-def use_linear_patch_embedding(model: torch.nn.Module) -> int:
-    """Switch the vision patch embedding's ``Conv3d`` to :class:`PatchLinearConv3d` in place; returns how many."""
+def _batched_vision_attention_class() -> type:
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionAttention, apply_rotary_pos_emb_vision
+
+    class BatchedVisionAttention(Qwen3VLVisionAttention):
+        """Qwen3-VL vision attention that attends within all images of a batch in one ``scaled_dot_product_attention``
+        call when they have the same number of patches (always so for maze pictures of one size).
+
+        The transformers implementation loops over images for every attention backend but flash-attention (one
+        call per image and layer: 64 tiny calls per step for 32 images, ~15% of a tiny-model SFT step on CPU). The
+        math is the same block-diagonal attention; images of different sizes fall back to the loop.
+        """
+
+        def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):  # noqa: D102
+            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+            if (self.config._attn_implementation not in ("sdpa", "eager") or len(lengths) < 2
+                    or bool((lengths != lengths[0]).any()) or self.training and self.attention_dropout):
+                return super().forward(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
+            seq, n, per = hidden_states.shape[0], len(lengths), int(lengths[0])
+            q, k, v = self.qkv(hidden_states).reshape(seq, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+            cos, sin = position_embeddings
+            q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)  # [seq, heads, d]
+            q, k, v = (t.reshape(n, per, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # [n, heads, per, d]
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=self.scaling)
+            return self.proj(out.transpose(1, 2).reshape(seq, -1))
+
+    return BatchedVisionAttention
+
+
+def use_fast_vision_paths(model: torch.nn.Module) -> int:
+    """Switch, in place, the vision patch embedding to :class:`PatchLinearConv3d` and the vision attention to one
+    batched call per layer (see ``BatchedVisionAttention``); same parameters, same values up to float rounding.
+    Returns the number of modules switched (0 for models without a Qwen3-VL vision tower)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionAttention
+
+    batched = None
     n = 0
     for name, module in model.named_modules():
         if name.endswith("patch_embed.proj") and type(module) is torch.nn.Conv3d:
             module.__class__ = PatchLinearConv3d
+            n += 1
+        elif type(module) is Qwen3VLVisionAttention:
+            batched = batched or _batched_vision_attention_class()
+            module.__class__ = batched
             n += 1
     return n
 
@@ -620,7 +657,7 @@ def load_pretrained(path: str | Path, dtype: str = "float32", device: torch.devi
     model = AutoModelForImageTextToText.from_pretrained(
         str(path), dtype=torch_dtype(dtype, dev), local_files_only=True
     ).to(dev)
-    use_linear_patch_embedding(model)
+    use_fast_vision_paths(model)
     processor = AutoProcessor.from_pretrained(str(path), local_files_only=True)
     if not hasattr(processor, "image_processor"):
         raise ValueError(f"{path}: AutoProcessor returned {type(processor).__name__}, not a vision-language processor")
