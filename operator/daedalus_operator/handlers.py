@@ -282,9 +282,8 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
         return None
     result = "ok"
     last: Plan | None = None
-    conflicts = 0
     try:
-        for loop in range(MAX_LOOPS + 2):
+        for loop in range(MAX_LOOPS):
             if loop:
                 body = rt.kube.get(kube.RLTJ, namespace, name)
                 if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
@@ -307,9 +306,6 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
                                          {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
                                           "status": patch}, status=True)
                 except kube.KubeError as e:
-                    if e.conflict and conflicts < 2:
-                        conflicts += 1  # someone wrote the job since our GET (often kopf's own annotations)
-                        continue  # re-read and re-plan at once
                     result = "error"
                     raise kopf.TemporaryError(f"status write failed ({e}); re-planning from fresh state", delay=1.0)
             for ev in last.events:
