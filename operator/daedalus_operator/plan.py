@@ -104,7 +104,9 @@ class RayJobObservation:
 class TrainerObservation:
     """The trainer's ``GET /status`` (port 9400 on the head), or ``reachable=False``.
 
-    ``step`` is the latest completed GRPO step; ``latest_checkpoint`` is ``{step, path, time}``.
+    ``step`` is the latest completed GRPO step; ``latest_checkpoint`` is ``{step, path, time}``; ``resumed_from`` the
+    step of the checkpoint this attempt loaded (optional ``resumedFrom``: a step or ``{step, ...}``), which makes the
+    recovery record exact.
     """
 
     reachable: bool = False
@@ -116,6 +118,7 @@ class TrainerObservation:
     reward_mean: float | None = None
     adapter_path: str | None = None
     attempt: int | None = None
+    resumed_from: int | None = None
 
     @classmethod
     def from_status(cls, doc: dict[str, Any]) -> "TrainerObservation":
@@ -131,6 +134,8 @@ class TrainerObservation:
             reward_mean=doc.get("rewardMean"),
             adapter_path=doc.get("adapterPath"),
             attempt=_int_or_none(doc.get("attempt")),
+            resumed_from=_int_or_none((doc.get("resumedFrom") or {}).get("step")
+                                      if isinstance(doc.get("resumedFrom"), dict) else doc.get("resumedFrom")),
         )
 
     @property
@@ -492,9 +497,9 @@ class _Builder:
         if self.st.last_progress_time is None or t.step > self.st.current_step:
             self.set(last_progress_time=self.now_s())
         rec = self.st.recovery
-        if rec is not None and rec.resubmitted_at is not None and t.step > (rec.resume_step or 0):
+        resumed = t.resumed_from if t.resumed_from is not None else (rec.resume_step or 0) if rec else 0
+        if rec is not None and rec.resubmitted_at is not None and t.step > resumed:
             detected = parse_time(rec.detected_at) or self.now
-            resumed = rec.resume_step or 0
             record = RecoveryRecord(
                 reason=rec.reason, detected_at=rec.detected_at, recovered_at=self.now_s(),
                 seconds=round((self.now - detected).total_seconds(), 3),

@@ -9,7 +9,8 @@ contract as the real trainer (``daedalus_trainer.server``):
 - one "step" every ``$DAEDALUS_STANDIN_STEP_SECONDS`` (default 0.4 s); checkpoints ``step-NNNNNN/`` every
   ``intervalSteps`` and on request, written to a temporary directory, renamed, then ``latest`` replaced atomically;
 - serves on ``$DAEDALUS_METRICS_PORT`` (127.0.0.1): ``GET /status`` (``{step, totalSteps, phase, latestCheckpoint
-  {step, path, time}, successRatio, rewardMean, adapterPath, attempt}`` plus ``pid``), ``POST /checkpoint
+  {step, path, time}, successRatio, rewardMean, adapterPath, attempt}`` plus ``resumedFrom`` (the step of the
+  checkpoint this attempt loaded, or null) and ``pid``), ``POST /checkpoint
   [?timeout=S]`` (Bearer token from ``$DAEDALUS_CONTROL_TOKEN`` or the file ``$DAEDALUS_CONTROL_TOKEN_FILE``; waits
   for the checkpoint at the next step boundary; 401 without or with a wrong token) and ``POST /stop``;
 - exports ``exports/adapter/`` at the end and exits 0;
@@ -58,13 +59,14 @@ class State:
         self.requests = 0  # checkpoint requests not yet served
         self.stop = False
         self.stop_answered = threading.Event()  # the POST /stop answer is written: safe to exit
+        self.resumed_from: int | None = None
 
     def snapshot(self) -> dict:
         with self.cond:
             return {"step": self.step, "totalSteps": self.total, "phase": self.phase, "latestCheckpoint": self.latest,
                     "successRatio": round(min(1.0, 0.1 + self.step / max(1, self.total)), 4),
                     "rewardMean": round(self.step / max(1, self.total), 4), "adapterPath": self.adapter,
-                    "attempt": self.attempt, "pid": os.getpid()}
+                    "attempt": self.attempt, "resumedFrom": self.resumed_from, "pid": os.getpid()}
 
 
 def make_handler(state: State):
@@ -171,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     state = State(total, attempt)
     if args.resume == "latest":
         state.step, state.latest = load_latest(root)
+        state.resumed_from = state.step if state.latest else None
     http.server.ThreadingHTTPServer.allow_reuse_address = True
     deadline = time.monotonic() + 15
     while True:
