@@ -138,6 +138,8 @@ def test_killed_ray_job_resumes_from_the_last_periodic_checkpoint(env: OperatorE
           f"checkpoint at step {resumed_from}; lost steps {lost} (interval {INTERVAL}); operator-measured "
           f"recovery {st['lastRecovery']['seconds']:.1f} s")
     assert st["restarts"] == 1 and st["lastRecovery"]["reason"] == "JobFailed"
+    assert st["lastRecovery"]["resumedFromStep"] == resumed_from  # from the new attempt's /status resumedFrom
+    assert 0 <= lost - st["lastRecovery"]["lostSteps"] <= 3  # detection lags by at most one poll (0.5 s ~ 2 steps)
     assert "JobFailed" in env.event_reasons()
     assert len(ray_jobs_of(env, job["metadata"]["uid"])) == 2
 
