@@ -51,7 +51,7 @@ NAMESPACED_RULES = {
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "secrets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "pods"): {"get", "list", "watch"},
+    ("", "pods"): {"get", "list", "watch", "delete"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
     ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "patch", "delete"},
@@ -371,7 +371,7 @@ def test_servicemonitor_and_podmonitor(rendered: dict[str, list[dict[str, Any]]]
     assert pm["spec"]["selector"] == {"matchExpressions": [{"key": "daedalus.dev/job", "operator": "Exists"}]}
     assert pm["spec"]["namespaceSelector"] == {"any": True}
     (endpoint,) = pm["spec"]["podMetricsEndpoints"]
-    assert endpoint["port"] == "daedalus-metrics" and endpoint["honorLabels"] is True
+    assert endpoint["port"] == "trainer-metrics" and endpoint["honorLabels"] is True
     namespaced = one(rendered["namespaced-all-on"], "PodMonitor")
     assert namespaced["spec"]["namespaceSelector"] == {"matchNames": NAMESPACES}
 

@@ -60,9 +60,6 @@ def test_python_m_daedalus_operator_help() -> None:
     _help([sys.executable, "-m", "daedalus_operator", "--help"])
 
 
-@pytest.mark.xfail(strict=True, reason="trainer/daedalus_trainer/cli.py: the `operator` subparser's "
-                   "nargs=REMAINDER does not take arguments that start with '-' (`daedalus operator -A` fails with "
-                   "'unrecognized arguments'); fix requested from the CLI owner")
 def test_daedalus_operator_passes_leading_options_through() -> None:
     _help([str(Path(sys.executable).parent / "daedalus"), "operator", "--standalone", "--help"])
 

@@ -184,7 +184,7 @@ def test_healthz_status_and_unknown_routes(server: TrainerServer, control: Contr
 
     doc = requests.get(server.url + "/status", timeout=5).json()
     assert doc == {"step": 0, "totalSteps": 50, "phase": "starting", "latestCheckpoint": None,
-                   "successRatio": None, "rewardMean": None, "adapterPath": None, "attempt": 2,
+                   "successRatio": None, "rewardMean": None, "adapterPath": None, "attempt": 2, "resumedFrom": None,
                    "checkpointRequested": False, "stopRequested": False}
 
     info = save_real_checkpoint(tmp_path / "ckpt", 30)

@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `daedalus` console script. Returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "operator":  # everything after it belongs to the operator's own parser (-A, --help, ...)
+        return _cmd_operator(argparse.Namespace(operator_args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -281,7 +281,7 @@ class Trainer:
             history = list(loaded.trainer_state.metric_history)
             step = loaded.step
             latest = loaded.info
-            self.control.set_status(step=step, latest_checkpoint=latest)
+            self.control.set_status(step=step, latest_checkpoint=latest, resumed_from=step)
             self.metrics.set_step(step)
             self.metrics.set_latest_checkpoint(latest)
             log.info("resumed from %s (step %d)", loaded.path, step)
@@ -501,6 +501,10 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
         except BaseException:
             trainer.control.set_status(phase="failed")
             raise
+        if result.stopped:
+            # The POST /stop caller is answered from a server thread once the checkpoint is committed: give it the
+            # moment it needs to write the response before the process exits.
+            time.sleep(1.0)
         # Keep serving the final figures for a last Prometheus scrape before the process (and the pod's port) goes.
         linger = float(os.environ.get("DAEDALUS_METRICS_LINGER_SECONDS", "0"))
         if linger > 0:

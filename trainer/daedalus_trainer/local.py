@@ -57,6 +57,11 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # per-save "Writing model shards" bars drown the real ones
+    transformers.utils.logging.set_verbosity_error()
     console = Console()
     started = time.perf_counter()
     job = load_job(job_path)

@@ -150,6 +150,7 @@ class ControlState:
             "rewardMean": None,
             "adapterPath": None,
             "attempt": attempt,
+            "resumedFrom": None,
         }
 
     # -- for the training loop ---------------------------------------------------------------------------------------
@@ -192,6 +193,7 @@ class ControlState:
         adapter_path: str | os.PathLike[str] | None = None,
         attempt: int | None = None,
         latest_checkpoint: Any | None = None,
+        resumed_from: int | None = None,
     ) -> None:
         """Update the fields given (others keep their value). ``latest_checkpoint`` (an object with ``step``,
         ``path``, ``time``) sets ``latestCheckpoint`` without answering waiters (e.g. the checkpoint a run resumed
@@ -206,7 +208,8 @@ class ControlState:
             raise ValueError(f"success_ratio must be in [0, 1], got {success_ratio}")
         with self._cond:
             for key, value in (("step", step), ("totalSteps", total_steps), ("phase", phase),
-                               ("successRatio", success_ratio), ("rewardMean", reward_mean), ("attempt", attempt)):
+                               ("successRatio", success_ratio), ("rewardMean", reward_mean), ("attempt", attempt),
+                               ("resumedFrom", resumed_from)):
                 if value is not None:
                     self._status[key] = value
             if adapter_path is not None:

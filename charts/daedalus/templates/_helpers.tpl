@@ -81,9 +81,10 @@ cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync 
   resources: ["configmaps", "secrets", "services"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The job's Ray pods, to map them onto nodes and notice lost heads/workers.
+# delete: move pods off nodes HyperPod is replacing (KubeRay recreates them on Schedulable nodes).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list", "watch", "delete"]
 # Kubernetes Events for every transition (kopf posts through core/v1; events.k8s.io for newer clients).
 - apiGroups: [""]
   resources: ["events"]
