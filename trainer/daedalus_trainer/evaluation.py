@@ -210,7 +210,7 @@ def run_eval(
         adapter_path: PEFT adapter directory loaded on top.
         greedy / sampled: which decoding modes to run (sampled uses ``algorithm.temperature`` / ``top_p``, seeded
             from ``environment.evalSeed``).
-        gif_dir: write GIFs of up to ``gifs`` greedy episodes (successes first, then failures) there.
+        gif_dir: write GIFs of up to ``gifs`` greedy episodes there (half successes, half failures when both exist).
         n: evaluate only the first ``n`` held-out mazes.
 
     Raises:
@@ -246,9 +246,10 @@ def run_eval(
                           mode="sampled", seed=int(env.eval_seed))
         report.results.append(res)
     if gif_dir and greedy_trajs and "image" in env.observation:
-        order = [i for i, t in enumerate(greedy_trajs) if t.success] + [
-            i for i, t in enumerate(greedy_trajs) if not t.success]
-        for i in order[:gifs]:
+        wins = [i for i, t in enumerate(greedy_trajs) if t.success]
+        losses = [i for i, t in enumerate(greedy_trajs) if not t.success]
+        half = min(len(wins), max(gifs - len(losses), (gifs + 1) // 2))
+        for i in sorted(wins[:half] + losses[: gifs - half]):
             tag = "success" if greedy_trajs[i].success else "failure"
             report.gifs.append(str(write_gif(greedy_trajs[i], Path(gif_dir) / f"maze-{i:03d}-{tag}.gif")))
     return report

@@ -187,6 +187,7 @@ class SFTState:
 
     step: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     eval_seconds: float = 0.0
     tokens: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -350,7 +351,7 @@ def run_sft(
     upcoming = prefetch.submit(source.batch, state.step, spec.sft.batch_size)
     try:
         while budget_left():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             sequences = upcoming.result()
             upcoming = prefetch.submit(source.batch, state.step + 1, spec.sft.batch_size)
             batch = policy.collate(sequences)
@@ -367,6 +368,7 @@ def run_sft(
             state.tokens += n_tok
             dt = time.perf_counter() - t0
             state.seconds += dt
+            state.cpu_seconds += time.process_time() - c0  # this process, all threads: load-independent cost
             window_loss.append(loss.detach().item())
             window_tokens += n_tok
             window_time += dt
@@ -378,7 +380,8 @@ def run_sft(
                 acc = step_accuracy(policy, heldout)
                 state.seconds += time.perf_counter() - t1
                 state.history.append({
-                    "step": state.step, "seconds": round(state.seconds, 2), "loss": float(np.mean(window_loss)),
+                    "step": state.step, "seconds": round(state.seconds, 2), "cpu_seconds": round(state.cpu_seconds, 2),
+                    "loss": float(np.mean(window_loss)),
                     "tokens_per_second": round(window_tokens / max(window_time, 1e-9), 1), "step_accuracy": acc,
                 })
                 bar.set_postfix(loss=f"{np.mean(window_loss):.3f}", acc=f"{acc:.2f}",
@@ -416,6 +419,8 @@ def run_sft(
         "completed": True,
         "steps": state.step,
         "seconds": round(state.seconds, 2),
+        "cpu_seconds": round(state.cpu_seconds, 2),
+        "load_average": list(os.getloadavg()),
         "eval_seconds": round(state.eval_seconds, 2),
         "tokens": state.tokens,
         "settings": {"steps": max_steps, "max_seconds": max_seconds, "batch_size": spec.sft.batch_size,
