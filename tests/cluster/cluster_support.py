@@ -34,7 +34,6 @@ import copy
 import dataclasses
 import functools
 import json
-import logging
 import os
 import re
 import shutil
@@ -59,10 +58,6 @@ from fake_kuberay import FakeKubeRay, wait_for  # noqa: E402
 from kmock_api import ApiError, KubeClient  # noqa: E402
 from ray_head import free_port  # noqa: E402
 
-__all__ = ["ApiError", "wait_for", "free_port"]
-
-log = logging.getLogger(__name__)
-
 KUBERAY = REPO / ".." / "shared" / "kuberay-v1.7.0"
 EXAMPLES = REPO / "examples"
 #: The chart under test: ``$DAEDALUS_TEST_CHART`` (e.g. a copy with a verb removed) or the repository's chart.
@@ -70,7 +65,6 @@ CHART = Path(os.environ.get("DAEDALUS_TEST_CHART") or REPO / "charts" / "daedalu
 RLTJ = ("daedalus.dev", "v1alpha1", "rltrainingjobs")
 RLTJ_KEY = "daedalus.dev/v1alpha1/rltrainingjobs"
 RLTJ_CRD = "rltrainingjobs.daedalus.dev"
-RAYSERVICE_CRD = "rayservices.ray.io"
 RELEASE = "daedalus"
 RELEASE_NAMESPACE = "daedalus-system"
 #: The kubeVersion constraint the chart copy gets (the tier's server is 1.20).
@@ -156,6 +150,17 @@ class KubeREST(KubeClient):
             self._req("POST", self.path(key, namespace, name, "binding"), json=binding)
             return self.get(key, namespace, name)
         return super().patch(key, namespace, name, patch, status)
+
+    def text(self, path: str) -> str:
+        """GET a non-JSON endpoint (e.g. the apiserver's ``/metrics``).
+
+        Raises:
+            ApiError: a 4xx/5xx answer.
+        """
+        r = self.session.get(self.url + path, timeout=self.timeout)
+        if r.status_code >= 400:
+            raise ApiError(r.status_code, r.text)
+        return r.text
 
     def force_delete(self, key: str, namespace: str | None, name: str) -> dict | None:
         """DELETE with ``gracePeriodSeconds: 0`` (what the kubelet sends once a terminating pod's containers have
@@ -477,22 +482,46 @@ class Jobs:
                         raise
 
 
-def steady_resource_version(jobs: Jobs, name: str, polls: int, poll: float) -> str:
-    """Wait ``polls`` operator poll intervals and return the job's resourceVersion if nothing wrote to it meanwhile.
+def status_writes(admin: KubeREST) -> int:
+    """Requests that wrote to ``rltrainingjobs/status`` so far (PATCH/PUT/APPLY, any answer), counted by
+    kube-apiserver itself (``apiserver_request_total`` on its ``/metrics``, admin only).
+
+    Unlike the resourceVersion this counts a write the server turned into a no-op: a status field the schema
+    prunes comes back unchanged, so writing it again and again would never bump the resourceVersion."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0
+    for family in text_string_to_metric_families(admin.text("/metrics")):
+        if family.name != "apiserver_request":  # the parser strips the counter's _total suffix
+            continue
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "apiserver_request_total" and labels.get("resource") == "rltrainingjobs" and \
+                    labels.get("subresource") == "status" and labels.get("verb") in ("PATCH", "PUT", "APPLY"):
+                total += int(sample.value)
+    return total
+
+
+def steady_status(admin: KubeREST, jobs: Jobs, names: list[str], seconds: float) -> dict[str, dict]:
+    """Watch jobs in a state where nothing changes for ``seconds`` and return their statuses: the stored status
+    must stay the same and the operator must not write any status in the window.
 
     The operator diffs the status it computes against the stored one and writes only a difference
-    (``status.merge_patch``): a field the server pruned would differ on every poll and be rewritten each time.
+    (``status.merge_patch``), so a field the server pruned from a write would be written again on every poll:
+    every status field the operator writes came back from the server unpruned exactly when it stays quiet.
 
     Raises:
-        AssertionError: the object changed during the window (with the status before and after).
+        AssertionError: a status changed, or status writes reached the server during the window.
     """
-    before = jobs.get(name)
-    time.sleep(polls * poll)
-    after = jobs.get(name)
-    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"], (
-        f"{name} was rewritten while nothing changed:\nbefore {json.dumps(before.get('status'), indent=1)}\n"
-        f"after {json.dumps(after.get('status'), indent=1)}")
-    return after["metadata"]["resourceVersion"]
+    before = {name: jobs.status(name) for name in names}
+    writes = status_writes(admin)
+    time.sleep(seconds)
+    after = {name: jobs.status(name) for name in names}
+    wrote = status_writes(admin) - writes
+    assert after == before, f"a status changed while nothing happened:\nbefore {json.dumps(before, indent=1)}\n" \
+                            f"after {json.dumps(after, indent=1)}"
+    assert wrote == 0, f"{wrote} status write(s) reached the server while nothing changed: {json.dumps(after)}"
+    return after
 
 
 def missing_paths(sent: Any, got: Any, path: str = "") -> list[str]:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 
 import pytest
+import yaml
 from cluster_support import (
+    CHART,
     RELEASE,
     RELEASE_NAMESPACE,
     ChartOperator,
@@ -23,7 +26,7 @@ from cluster_support import (
     helm_install,
     installed_chart,
 )
-from chartlib import Helm, find_helm  # noqa: E402 - on sys.path through cluster_support
+from chartlib import find_helm  # on sys.path through cluster_support
 from daedalus_trainer.config import RLTrainingJobStatus, parse_job
 from kubernetes import client
 
@@ -105,6 +108,7 @@ def may(api_client, verb: str, group: str, resource: str, subresource: str, name
 
 
 def rule_verbs(role: dict, group: str, resource: str) -> set[str]:
+    """Every verb a (Cluster)Role grants on ``group/resource``."""
     return {v for r in role["rules"] if group in r.get("apiGroups", []) and resource in r.get("resources", [])
             for v in r.get("verbs", [])}
 
@@ -181,10 +185,13 @@ def test_a_verb_removed_from_the_cluster_role_is_reported_as_a_403_condition(
     assert admin.get("rbac.authorization.k8s.io/v1/clusterroles", None, name) is None  # restored
 
 
-def test_the_pod_monitor_scrapes_a_port_the_operator_gives_the_ray_head(helm_binary, tmp_path):
+def test_the_pod_monitor_scrapes_a_port_the_operator_gives_the_ray_head(helm_binary):
     """No server needed: the chart's PodMonitor names the trainer's port by name; that name must be one the
     operator puts on the head container (a renamed port would leave Prometheus with no target)."""
-    docs = Helm(helm_binary, tmp_path).template({"metrics": {"podMonitor": {"enabled": True}}})
+    proc = subprocess.run([helm_binary, "template", "rel", str(CHART), "--set", "metrics.podMonitor.enabled=true"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
     (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     job = parse_job(example("local-tiny.yaml", "ml"))

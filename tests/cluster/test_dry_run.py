@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 import pytest
-from cluster_support import REPO, RLTJ, daedalus_crds, ensure_crds, example, load_yaml, missing_paths
+from cluster_support import REPO, RLTJ, RLTJ_CRD, daedalus_crds, ensure_crds, example, load_yaml, missing_paths
 from daedalus_trainer.config import RLTrainingJobStatus, parse_job
 from kubernetes import client
 from kubernetes.client import ApiException
@@ -196,6 +196,6 @@ def test_our_crd_on_1_20_loses_exactly_its_cel_rules(kube):
     crd["metadata"]["name"] = f"{crd['spec']['names']['plural']}.dryrun.daedalus.dev"
     answer = dry_run(kube, crd)
     dropped = sorted(p.lstrip(".") for p in missing_paths(crd, answer))
-    _, removed = daedalus_crds()["rltrainingjobs.daedalus.dev"]
+    _, removed = daedalus_crds()[RLTJ_CRD]
     assert dropped == sorted(removed)
     assert removed and all(p.endswith(".x-kubernetes-validations") for p in removed)

@@ -31,10 +31,11 @@ from cluster_support import (
     gc_discovery_wait,
     installed_chart,
     missing_paths,
-    steady_resource_version,
+    status_writes,
+    steady_status,
     wait_for,
 )
-from chartlib import find_helm  # noqa: E402 - on sys.path through cluster_support
+from chartlib import find_helm  # on sys.path through cluster_support
 from daedalus_trainer.config import RLTrainingJobStatus
 from pydantic import BaseModel
 
@@ -104,10 +105,25 @@ def fake_kuberay(admin, namespace, request):
 
 
 def children(admin: KubeREST, namespace: str, job: str) -> dict[str, dict | None]:
+    """``plural/name`` -> the stored object (``None`` when absent) for the four children of ``job``."""
     return {f"{key.split('/')[-1]}/{fn(job)}": admin.get(key, namespace, fn(job)) for key, fn in CHILDREN}
 
 
+def wait_children(admin: KubeREST, jobs: Jobs, name: str, timeout: float = 30.0) -> dict[str, dict]:
+    """Wait until the four children of job ``name`` exist; on timeout the message names the missing ones and the
+    job's ``Reconciling`` condition (where the operator reports a refused call, e.g. a 403)."""
+    try:
+        return wait_for(lambda: (lambda c: c if all(c.values()) else None)(children(admin, jobs.namespace, name)),
+                        timeout=timeout, message=f"the children of {name}")
+    except AssertionError as e:
+        missing = [k for k, v in children(admin, jobs.namespace, name).items() if v is None]
+        reconciling = jobs.conditions(name).get("Reconciling", {})
+        raise AssertionError(f"{e}; missing {missing}; Reconciling: {reconciling.get('reason')}: "
+                             f"{reconciling.get('message')}") from None
+
+
 def owner_ref(job: dict) -> list[dict]:
+    """The ownerReferences every child must carry: the job as controller, blocking its deletion."""
     return [{"apiVersion": "daedalus.dev/v1alpha1", "kind": "RLTrainingJob", "name": job["metadata"]["name"],
              "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
 
@@ -130,8 +146,7 @@ def test_examples_reach_their_documented_state_with_the_charts_service_account(o
         assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("False", "Provisioning")
         assert (conds["Reconciling"]["status"], conds["Reconciling"]["message"]) == (
             "True", "waiting for the RayCluster to become ready")
-        made = wait_for(lambda: (lambda c: c if all(c.values()) else None)(children(admin, namespace, name)),
-                        timeout=30, message=f"the children of {name}")
+        made = wait_children(admin, jobs, name)
         for key, obj in made.items():
             assert obj["metadata"]["ownerReferences"] == owner_ref(job), key
             assert obj["metadata"]["labels"][api.JOB_LABEL] == name, key
@@ -147,8 +162,7 @@ def test_examples_reach_their_documented_state_with_the_charts_service_account(o
     assert terms == [{"matchExpressions": [{"key": api.HYPERPOD_HEALTH_LABEL, "operator": "In",
                                             "values": ["Schedulable"]}]}]
     # steady state: nothing is rewritten, so every status field the operator wrote came back unpruned
-    for job in (tiny, hyper):
-        steady_resource_version(jobs, job["metadata"]["name"], polls=4, poll=operator.poll)
+    steady_status(admin, jobs, [tiny["metadata"]["name"], hyper["metadata"]["name"]], seconds=6 * operator.poll)
     # deletion with the operator running: the finalizer deletes the children and lets go
     admin.delete(kube.RLTJ, namespace, "local-tiny")
     wait_for(lambda: jobs.get("local-tiny") is None, timeout=30, message="local-tiny to be deleted")
@@ -193,6 +207,7 @@ def populated(model: type[BaseModel]) -> BaseModel:
 
 
 def leaf_count(model: type[BaseModel]) -> int:
+    """Number of scalar fields of ``model``, nested models expanded (a list of models counts one item)."""
     total = 0
     for field in model.model_fields.values():
         inner = [a for a in typing.get_args(field.annotation) or (field.annotation,) if a is not type(None)]
@@ -203,6 +218,7 @@ def leaf_count(model: type[BaseModel]) -> int:
 
 
 def leaves(doc: typing.Any) -> int:
+    """Number of scalar values in a JSON document."""
     if isinstance(doc, dict):
         return sum(leaves(v) for v in doc.values())
     if isinstance(doc, list):
@@ -220,9 +236,13 @@ def test_every_status_field_the_operator_can_write_survives_structural_pruning(j
     stored = jobs.status("local-tiny")
     assert missing_paths(status, stored) == []
     assert stored == status
-    # the control: a field the schema does not know is pruned, silently
+    # the control: a field the schema does not know is pruned, silently; writing it changes nothing stored (not even
+    # the resourceVersion) but the server counts the write, which is what steady_status relies on
+    rv, writes = jobs.get("local-tiny")["metadata"]["resourceVersion"], status_writes(admin)
     admin.patch(kube.RLTJ, namespace, "local-tiny", {"status": {"notInTheSchema": 1}}, status=True)
-    assert "notInTheSchema" not in jobs.status("local-tiny")
+    after = jobs.get("local-tiny")
+    assert "notInTheSchema" not in after["status"] and after["metadata"]["resourceVersion"] == rv
+    assert status_writes(admin) == writes + 1
 
 
 # ------------------------------------------------------------------------------------------------ 409 and retry
@@ -265,12 +285,13 @@ def test_a_status_write_with_a_stale_resource_version_is_refused_and_retried(rel
     try:
         st = jobs.wait_phase("local-tiny", "Provisioning", timeout=60)
         assert st["observedGeneration"] == 1 and st["rayClusterName"] == api.raycluster_name("local-tiny")
-        wait_for(lambda: all(children(admin, namespace, "local-tiny").values()), timeout=30, message="the children")
+        wait_children(admin, jobs, "local-tiny")
     finally:
         operator.stop()
 
 
 def _metrics(rt: Runtime) -> str:
+    """The runtime's Prometheus exposition text (its own registry)."""
     from prometheus_client import generate_latest
 
     return generate_latest(rt.metrics.registry).decode()
@@ -283,8 +304,7 @@ def test_deleting_a_job_garbage_collects_its_children(control_plane, release, jo
     operator = ChartOperator(release, tmp_path).start()
     try:
         job = jobs.create(example(TINY, namespace))
-        made = wait_for(lambda: (lambda c: c if all(c.values()) else None)(children(admin, namespace, "local-tiny")),
-                        timeout=60, message="the children")
+        made = wait_children(admin, jobs, "local-tiny", timeout=60)
     finally:
         operator.stop()
     for key, obj in made.items():
@@ -383,10 +403,11 @@ def test_a_full_job_succeeds_through_a_hyperpod_node_replacement(ray_head, opera
     reasons = [e["reason"] for e in jobs.events("local-tiny")]
     for reason in ("Provisioning", "Submitted", "NodeReplacement", "Resubmitted", "Recovered", "Succeeded"):
         assert reason in reasons, reasons
-    steady_resource_version(jobs, "local-tiny", polls=4, poll=operator.poll)
+    steady_status(admin, jobs, ["local-tiny"], seconds=6 * operator.poll)
 
 
 def operator_steps(operator: ChartOperator, namespace: str) -> list[dict]:
+    """The stand-in trainer's ``steps.jsonl`` of the job: one ``{attempt, step, time}`` per completed step."""
     import json
 
     path = operator.checkpoints / namespace / "local-tiny" / "steps.jsonl"
