@@ -67,7 +67,11 @@ def control_plane(raycluster_crd):
         if required:
             pytest.fail(f"{required[0]}=1 but the API-server tier cannot run: {err}", pytrace=False)
         pytest.skip(f"real API-server tier skipped: {err}")
-    plane = ControlPlane(binaries, crds=[raycluster_crd[0]])
+    from cluster_support import daedalus_crds
+
+    # Every CRD the tier uses is installed before the controller manager starts: its garbage collector learns
+    # resource types only at start-up (then every 30 s), so owner GC of our children works at once.
+    plane = ControlPlane(binaries, crds=[raycluster_crd[0], *(crd for crd, _ in daedalus_crds().values())])
     plane.start()
     _started.append(plane)
     try:
