@@ -21,8 +21,12 @@ success stays near 0 until it passes ~0.9 (one wrong move into a wall repeats fo
 Budget: ``sft.steps`` optimizer steps or ``sft.maxSeconds`` seconds of training, whichever comes first. The seconds
 count the training loop (data, forward, backward, update, step-accuracy logging, checkpoints), summed across resumed
 runs, and exclude the periodic held-out evaluations (``sft.evalEvery``), which are timed separately. The learning
-rate follows a warmup-stable-decay schedule over that budget (:func:`lr_at`): on the tiny model, step accuracy
-plateaued around 0.9 at a constant 1e-3 (greedy success ~30%), and the final decay is what pushes it past that.
+rate follows a warmup-stable-decay schedule over that budget (:func:`lr_at`) with AdamW betas (0.9, 0.95).
+
+Measured on the tiny model, size 7, batch 32, lr 1e-3 (greedy success on the 64 held-out mazes, +-12% at 95%): a
+constant rate plateaued at ~0.9 step accuracy (33% after 600 steps); decay over the last 30% gave 36-38% at ~550 steps
+and 47% at 1100; betas (0.9, 0.95) and decay over the last half: 45% at 550 steps and 61% after 960 steps (330 s on an
+idle core). Learning rates of 1.5e-3 and 2e-3 stalled at 0.6-0.7 step accuracy; batch 16 was worse per sample.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ ADAPTER_DIRNAME = "adapter"
 REPORT_NAME = "sft_report.json"
 #: Linear learning-rate warm-up (steps) before the constant rate.
 WARMUP_STEPS = 20
-#: Final fraction of the budget over which the learning rate decays linearly to 0 (see :func:`lr_at`).
-DECAY_FRACTION = 0.3
+#: Final fraction of the budget over which the learning rate decays linearly to 0 (see :func:`lr_at`; measurements in
+#: the module docstring).
+DECAY_FRACTION = 0.5
 #: Probability that a demonstration turn executes a random move instead of the expert's (see :func:`demonstration`).
 #: 0 by default: on the tiny model (size 7, 546 steps) 0.2 gave 27% greedy success against 36% without noise; the
 #: recoveries it teaches cost more than they bring in a short run.
@@ -66,6 +71,8 @@ LOG_EVERY = 50
 #: Seconds of training between resumable checkpoints.
 CHECKPOINT_SECONDS = 60.0
 MAX_GRAD_NORM = 1.0
+#: AdamW betas: beta2 = 0.95 as common for transformers (e.g. GPT-3, Brown et al. 2020), better than 0.999 here.
+ADAM_BETAS = (0.9, 0.95)
 
 
 # ------------------------------------------------------------------------------------------------- demonstrations
@@ -328,7 +335,7 @@ def run_sft(
     policy, state, opt_state = _load_start(job, out_dir, resume)
     policy.model.train()
     params = policy.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=spec.sft.learning_rate, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=spec.sft.learning_rate, betas=ADAM_BETAS, weight_decay=0.0)
     if opt_state is not None:
         optimizer.load_state_dict(opt_state)
     sampler = TrainingSampler.for_env(spec.environment, spec.sft.seed)
