@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from daedalus_trainer import prompts
-from daedalus_trainer.envs import DIRECTIONS, STOP, format_action, solve
+from daedalus_trainer.envs import DIRECTIONS, STOP, distance_map, format_action, solve
+from daedalus_trainer.envs.maze import DELTAS
 from daedalus_trainer.layouts import TrainingSampler, check_layouts, eval_mazes
 from daedalus_trainer.policy import Policy, TokenSequence, load_policy, load_pretrained, resolve_base_dir
 from daedalus_trainer.rollout.episode import make_env
@@ -111,16 +112,16 @@ def demonstration(maze: Any, env_spec: Any, upto: int | None = None, noise: floa
     fmt = env_spec.action_format
     env = make_env(env_spec)
     obs, info = env.reset(options={"maze": maze})
+    dist = distance_map(maze)  # BFS moves to the goal from every cell: the expert's move descends it
     observations, executed, labels = [obs], [], []
     while True:
-        agent = tuple(info["agent"])
-        label = STOP if agent == tuple(maze.goal) else solve(maze, agent)[0]
-        labels.append(format_action(label, fmt))
+        labels.append(format_action(expert_action(maze, dist, tuple(info["agent"])), fmt))
         if upto is not None and len(labels) > upto:
             break
-        action = label if noise == 0 or rng.random() >= noise else DIRECTIONS[int(rng.integers(len(DIRECTIONS)))]
-        executed.append(format_action(action, fmt))
-        obs, _, terminated, truncated, info = env.step(executed[-1])
+        action = labels[-1] if noise == 0 or rng.random() >= noise else format_action(
+            DIRECTIONS[int(rng.integers(len(DIRECTIONS)))], fmt)
+        executed.append(action)
+        obs, _, terminated, truncated, info = env.step(action)
         if terminated or truncated:
             break
         observations.append(obs)
@@ -129,6 +130,27 @@ def demonstration(maze: Any, env_spec: Any, upto: int | None = None, noise: floa
         messages, images = prompts.build_conversation(observations[: k + 1], executed[:k], settings)
         turns.append(DemoTurn(messages, images, reply))
     return turns
+
+
+def expert_action(maze: Any, dist: np.ndarray, cell: tuple[int, int]) -> str:
+    """The solver's action at ``cell``: ``stop`` on the goal, else the first move (in :data:`DIRECTIONS` order) to a
+    neighbour one step closer to the goal; in a perfect maze that neighbour is unique, so this is the first move of
+    :func:`daedalus_trainer.envs.solve`. ``dist`` is :func:`daedalus_trainer.envs.distance_map` of ``maze``."""
+    if cell == tuple(maze.goal):
+        return STOP
+    r, c = cell
+    for name in DIRECTIONS:
+        dr, dc = DELTAS[name]
+        if dist[r + dr, c + dc] == dist[r, c] - 1 and dist[r + dr, c + dc] >= 0:
+            return name
+    raise ValueError(f"the goal cannot be reached from {cell}")
+
+
+def demo_length(maze: Any, env_spec: Any) -> int:
+    """Turns of the noise-free demonstration: the BFS moves, plus ``stop`` under ``stop-on-goal``, within a fixed
+    ``max_turns``."""
+    n = len(solve(maze)) + (1 if env_spec.success_on == "stop-on-goal" else 0)
+    return min(n, int(env_spec.max_turns)) if int(env_spec.max_turns) > 0 else n
 
 
 def encode_turns(policy: Policy, turns: list[DemoTurn]) -> list[TokenSequence]:
@@ -153,8 +175,12 @@ class DemoSource:
         rng = np.random.default_rng([self.seed, int(step), 104729])
         out = []
         for maze in self.sampler.mazes(step, batch_size):
-            demo = demonstration(maze, self.env_spec, noise=self.noise, rng=rng)
-            out.append(demo[int(rng.integers(len(demo)))])
+            if self.noise == 0:  # the length is known in advance: stop the episode at the chosen turn
+                k = int(rng.integers(demo_length(maze, self.env_spec)))
+                out.append(demonstration(maze, self.env_spec, upto=k)[k])
+            else:
+                demo = demonstration(maze, self.env_spec, noise=self.noise, rng=rng)
+                out.append(demo[int(rng.integers(len(demo)))])
         return out
 
     def batch(self, step: int, batch_size: int) -> list[TokenSequence]:
