@@ -72,8 +72,18 @@ def _load(path: str):
     return load_job(path)
 
 
+def _single_threaded_torch() -> None:
+    """One torch thread unless OMP_NUM_THREADS says otherwise: 2 threads were 10-70x slower here when another process
+    was busy (ENGINEERING-NOTES)."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
 def _cmd_sft(args: argparse.Namespace) -> int:
     from daedalus_trainer import sft
+
+    _single_threaded_torch()
 
     job = _load(args.config)
     out = Path(args.out) if args.out else Path("runs") / job.metadata.name / "sft"
@@ -84,6 +94,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from daedalus_trainer import evaluation
+
+    _single_threaded_torch()
 
     job = _load(args.config)
     report = evaluation.run_eval(

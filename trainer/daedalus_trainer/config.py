@@ -182,9 +182,9 @@ class SFTSpec(_Model):
     """Supervised fine-tuning on solver demonstrations, run by `daedalus sft` or by `daedalus run` when
     `model.sftAdapter` is absent and the model is tiny."""
 
-    steps: int = Field(1500, ge=0, le=10_000_000)
+    steps: int = Field(3000, ge=0, le=10_000_000)
     """Maximum optimizer steps."""
-    max_seconds: float = Field(300.0, ge=0)
+    max_seconds: float = Field(330.0, ge=0)
     """Wall-clock budget in seconds (the run stops at whichever of steps / maxSeconds comes first; 0 = no limit)."""
     batch_size: int = Field(32, ge=1, le=4096)
     """Demonstration turns per optimizer step."""

@@ -86,7 +86,8 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         from daedalus_trainer import sft
 
         console.rule("SFT on solver demonstrations")
-        start_dir = str(sft.run_sft(job, run_dir / "sft", resume=resume != "none"))
+        # the evaluation right after replaces SFT's own final one
+        start_dir = str(sft.run_sft(job, run_dir / "sft", resume=resume != "none", final_eval=False))
     work_dir = run_dir
 
     # 2. before
