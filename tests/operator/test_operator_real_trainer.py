@@ -100,3 +100,68 @@ def test_killed_real_trainer_resumes_from_the_last_periodic_checkpoint(env: Oper
     assert (Path(st["adapterPath"]) / "adapter_config.json").is_file()
     print(f"\nreal trainer killed: resumed from periodic checkpoint {resumed}, lost {rec['lostSteps']} "
           f"(interval {interval})")
+
+
+def _trainer_step(env: OperatorEnv) -> int | None:
+    """The real trainer's latest completed step from its own ``GET /status`` (no operator involved), or ``None``."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{env.control_port}/status", timeout=5) as r:
+            return json.loads(r.read()).get("step")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def test_operator_restart_mid_run_with_the_real_trainer_never_submits_twice(env: OperatorEnv, sft_start: Path) -> None:
+    """Issue #5 acceptance "restart the operator mid-run -> no second submission, status intact", with the real
+    trainer: the operator thread is stopped while the trainer steps, the trainer steps on alone, a new operator (a
+    fresh ``run``: new runtime, new kopf registry, nothing remembered in memory) adopts the job from its status."""
+    from fake_kuberay import wait_for
+
+    from daedalus_operator.submit import RayJobs
+
+    steps, interval = 8, 2
+    manifest = env.job_manifest(
+        algorithm__steps=steps, algorithm__groupSize=4, algorithm__mazesPerStep=2, algorithm__maxTokensPerTurn=10,
+        environment__evalMazes=16, environment__successOn="arrival", environment__maxTurns=16,
+        checkpoint__intervalSteps=interval, resilience__hyperPod=False)
+    manifest["spec"]["model"]["sftAdapter"] = str(sft_start)
+    job = env.apply(manifest)
+    before = env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= interval + 1
+                             and (s.get("latestCheckpoint") or {}).get("step"), timeout=400,
+                             message="attempt 1 stepping past its first periodic checkpoint")
+    env.stop_operator()
+    stopped_at = wait_for(lambda: _trainer_step(env), timeout=30, message="the trainer's /status")
+    # The trainer steps on with nobody watching; the job's status stays what the old operator wrote.
+    stepped_alone = wait_for(lambda: (lambda s: s if s is not None and s >= stopped_at + 1 else None)(
+        _trainer_step(env)), timeout=120, message="the trainer to step on without an operator")
+    frozen = env.status()
+    assert frozen["currentStep"] <= stopped_at < stepped_alone and frozen["submissionId"] == before["submissionId"]
+    assert stepped_alone < steps, "the job finished before the new operator started: raise steps"
+
+    env.start_operator()
+    resumed = env.wait_status(lambda s: s.get("currentStep", 0) >= stepped_alone, timeout=60,
+                              message="the new operator reading the trainer's progress")
+    assert resumed["submissionId"] == before["submissionId"] and resumed["attempt"] == 1
+    assert resumed["restarts"] == 0 and resumed["startTime"] == before["startTime"]
+    assert resumed["latestCheckpoint"]["step"] >= before["latestCheckpoint"]["step"]
+    st = env.wait_phase("Succeeded", timeout=300)
+
+    # one attempt, one submission: the new operator adopted attempt 1 instead of submitting again
+    assert st["submissionId"] == before["submissionId"] and st["submissionId"].endswith("-a1")
+    assert st["attempt"] == 1 and st["restarts"] == 0 and "lastFailure" not in st and "lastRecovery" not in st
+    assert st["startTime"] == before["startTime"] and st["currentStep"] == steps
+    assert st["latestCheckpoint"]["step"] == steps
+    prefix = f"local-tiny-{job['metadata']['uid'].replace('-', '')[:8]}-a"
+    submitted = [j.submission_id for j in RayJobs(env.ray.dashboard_url)._c().list_jobs()
+                 if (j.submission_id or "").startswith(prefix)]
+    assert submitted == [before["submissionId"]], submitted  # the real Ray head's own list
+    reasons = env.event_reasons()
+    assert reasons.count("Submitted") == 1 and "Resubmitted" not in reasons, reasons
+    state = json.loads((env.trainer_root() / "checkpoints" / f"step-{steps:06d}" / "trainer_state.json").read_text())
+    assert [h["step"] for h in state["metric_history"]] == list(range(1, steps + 1))  # each step once
+    assert (Path(st["adapterPath"]) / "adapter_config.json").is_file()
+    print(f"\nreal trainer, operator restart: stopped at trainer step {stopped_at}, trainer alone reached "
+          f"{stepped_alone}, one submission ({st['submissionId']}), Succeeded at step {st['currentStep']}")
