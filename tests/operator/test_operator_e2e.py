@@ -3,8 +3,9 @@ Node objects, and **real Ray jobs** on a real local Ray head running the stand-i
 real trainer with ``entrypoint=REAL_TRAINER``).
 
 Scenarios (DESIGN §3): a HyperPod node replacement (checkpoint, stop, reschedule, resume: zero lost steps), a Ray job
-killed abruptly (resumed from the last periodic checkpoint: at most one interval lost), an operator restart mid-run
-(no second submission). Each prints its measured figures (recovery seconds, lost steps).
+killed abruptly (resumed from the last periodic checkpoint: at most one interval lost), the head lost and replaced by a
+new Ray head that knows none of the old jobs (resubmitted there, resumed from the last checkpoint), an operator
+restart mid-run (no second submission). Each prints its measured figures (recovery seconds, lost steps).
 """
 
 from __future__ import annotations
@@ -142,6 +143,71 @@ def test_killed_ray_job_resumes_from_the_last_periodic_checkpoint(env: OperatorE
     assert 0 <= lost - st["lastRecovery"]["lostSteps"] <= 3  # detection lags by at most one poll (0.5 s ~ 2 steps)
     assert "JobFailed" in env.event_reasons()
     assert len(ray_jobs_of(env, job["metadata"]["uid"])) == 2
+
+
+def test_lost_head_is_replaced_and_the_job_resumes_on_the_new_head(env: OperatorEnv) -> None:
+    """DESIGN §3 failure 3: the head pod dies (with it the Ray job: its trainer is SIGKILLed); KubeRay's new head pod
+    is unscheduled for 3 s, then comes up as a **new real Ray head** that knows none of the old jobs. The operator
+    must record HeadLost, wait for the new head, resubmit attempt 2 there resuming from the latest checkpoint, and
+    finish."""
+    from ray_head import start_ray_head
+
+    new_head = start_ray_head(num_cpus=1)  # the replacement head (started first: its start-up is the slow part)
+    try:
+        job = env.apply(env.job_manifest(algorithm__steps=STEPS, checkpoint__intervalSteps=INTERVAL))
+        uid = job["metadata"]["uid"]
+        before = env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= INTERVAL + 2,
+                                 timeout=120, message="attempt 1 past its first checkpoint")
+        pid = trainer_status(env)["pid"]
+        lost_at = time.time()
+        old_pod = env.fake.lose_head("ml", "local-tiny-ray", dashboard_port=new_head.dashboard_port,
+                                     down_seconds=3.0)
+        wait_for(lambda: not (env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray")["status"] or {})
+                 .get("head"), timeout=10, message="KubeRay to withdraw the lost head's address")
+        os.kill(pid, signal.SIGKILL)  # the Ray job dies with its head
+        st = env.wait_status(lambda s: s.get("phase") == "Recovering", timeout=30, message="Recovering")
+        assert st["lastFailure"]["reason"] == "HeadLost" and "head pod" in st["lastFailure"]["message"], st
+        assert st["submissionId"] == before["submissionId"] and st["restarts"] == 0
+        st = env.wait_status(lambda s: s.get("submissionId", "").endswith("-a2"), timeout=60, message="attempt 2")
+        assert st["attempt"] == 2 and st["restarts"] == 1
+        st = env.wait_phase("Succeeded", timeout=120)
+
+        steps = attempts(env)
+        assert sorted(steps) == [1, 2], steps
+        resumed_from = min(steps[2]) - 1
+        lost = max(steps[1]) - resumed_from
+        assert resumed_from >= INTERVAL and resumed_from % INTERVAL == 0 and 0 <= lost <= INTERVAL, steps
+        assert steps[2] == list(range(resumed_from + 1, STEPS + 1))
+        rec = st["lastRecovery"]
+        assert rec["reason"] == "HeadLost" and rec["resumedFromStep"] == resumed_from, rec
+        assert 0 <= lost - rec["lostSteps"] <= 3, (rec, lost)  # detection lags by at most a poll (~2 steps)
+        assert st["lastFailure"]["reason"] == "HeadLost" and st["currentStep"] == STEPS
+        assert st["attempt"] == 2 and st["restarts"] == 1
+        assert (Path(st["adapterPath"]) / "adapter_config.json").exists()
+
+        # attempt 1 lived and died on the old head; attempt 2 was submitted only to the new one
+        prefix = f"local-tiny-{uid.replace('-', '')[:8]}-a"
+        old_jobs = {j.submission_id: j.status.value for j in ray_jobs_of(env, uid)}
+        new_jobs = {j.submission_id: j.status.value for j in RayJobs(new_head.dashboard_url)._c().list_jobs()
+                    if (j.submission_id or "").startswith(prefix)}
+        assert list(old_jobs) == [before["submissionId"]] and old_jobs[before["submissionId"]] in ("FAILED",
+                                                                                                    "STOPPED")
+        assert new_jobs == {st["submissionId"]: "SUCCEEDED"}, new_jobs
+        assert old_pod in env.fake.pods_created and len([n for n in env.fake.pods_created if "-head-" in n]) == 2
+
+        reasons = env.event_reasons()
+        order = ["Submitted", "HeadLost", "Resubmitted", "Recovered", "Succeeded"]
+        assert all(r in reasons for r in order), reasons
+        assert [reasons.index(r) for r in order] == sorted(reasons.index(r) for r in order), reasons
+        text = env.metrics_text()
+        assert metric(text, 'daedalus_operator_restarts_total{job="local-tiny",namespace="ml",reason="HeadLost"}') \
+            == 1.0
+        first_new_time = next(r["time"] for r in env.steps_log() if r["attempt"] == 2)
+        print(f"\nhead lost: loss -> stepping again on the new head {first_new_time - lost_at:.1f} s (head down "
+              f"3 s, backoff 1 s); resumed from the checkpoint at step {resumed_from}; lost steps {lost} (interval "
+              f"{INTERVAL}); operator-measured recovery {rec['seconds']:.1f} s")
+    finally:
+        new_head.stop()
 
 
 def test_operator_restart_mid_run_never_submits_twice(env: OperatorEnv) -> None:

@@ -17,7 +17,8 @@ Every ``interval`` seconds, for each RayCluster:
   ``mountPath`` when it lies under ``volume_root`` (so the trainer on the local head reads its config and token).
 
 Node objects are made by :func:`node_body` / :meth:`FakeKubeRay.add_node`; tests flip the HyperPod label with
-:meth:`FakeKubeRay.set_node_health`.
+:meth:`FakeKubeRay.set_node_health` and lose a cluster's head with :meth:`FakeKubeRay.lose_head` (the head pod goes,
+its replacement stays unscheduled for a while, then comes up as a new Ray head: optionally another real Ray head).
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ class FakeKubeRay:
         self.passes = 0
         self.errors: list[str] = []
         self.pods_created: list[str] = []
+        self._lock = threading.RLock()  # one pass at a time; lose_head() happens between passes
+        self._head_down_until = 0.0  # time.monotonic() before which new head pods stay unscheduled
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> "FakeKubeRay":
@@ -150,7 +153,8 @@ class FakeKubeRay:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.step()
+                with self._lock:
+                    self.step()
             except Exception as e:  # noqa: BLE001 - keep playing; tests look at .errors
                 self.errors.append(repr(e))
                 log.warning("fake KubeRay pass failed: %r", e)
@@ -169,6 +173,29 @@ class FakeKubeRay:
         return self.kube.patch(NODES, None, name, {"status": {"conditions": [
             {"type": "Ready", "status": "True" if ready else "False", "reason": "KubeletReady" if ready else
              "KubeletNotReady", "lastTransitionTime": _now()}]}}, status=True)
+
+    def lose_head(self, namespace: str, cluster: str, *, dashboard_port: int | None = None,
+                  down_seconds: float = 2.0) -> str:
+        """The head of RayCluster ``cluster`` is lost (its pod or node died): delete the head pod at once; KubeRay's
+        replacement pod stays unscheduled for ``down_seconds`` (no head address published meanwhile), then comes up
+        as a **new** Ray head at ``dashboard_port`` (another real Ray head that knows none of the old head's jobs;
+        ``None`` keeps the current port). Returns the deleted pod's name.
+
+        Raises:
+            LookupError: the cluster has no head pod.
+        """
+        with self._lock:
+            heads = [p for p in self.kube.list(PODS, namespace, selector="ray.io/cluster")
+                     if p["metadata"]["labels"].get("ray.io/cluster") == cluster
+                     and p["metadata"]["labels"].get("ray.io/node-type") == "head"]
+            if not heads:
+                raise LookupError(f"RayCluster {namespace}/{cluster} has no head pod")
+            for pod in heads:
+                self.kube.delete(PODS, namespace, pod["metadata"]["name"])
+            if dashboard_port is not None:
+                self.dashboard_port = dashboard_port
+            self._head_down_until = time.monotonic() + down_seconds
+            return heads[0]["metadata"]["name"]
 
     # -- one pass -----------------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -254,6 +281,8 @@ class FakeKubeRay:
 
     def _schedule(self, pod: dict, nodes: dict[str, dict], load: dict[str, int]) -> None:
         ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        if pod["metadata"]["labels"].get("ray.io/node-type") == "head" and time.monotonic() < self._head_down_until:
+            return  # the lost head's replacement is not placed yet (lose_head)
         candidates = sorted((n for n in nodes.values() if fits(pod["spec"], n)),
                             key=lambda n: (load.get(n["metadata"]["name"], 0), n["metadata"]["name"]))
         if not candidates:
