@@ -162,6 +162,21 @@ class KubeREST(KubeClient):
             raise ApiError(r.status_code, r.text)
         return r.text
 
+    def table(self, key: str, namespace: str | None = None) -> tuple[list[str], list[list[Any]]]:
+        """The server-side table of a list (what ``kubectl get`` prints): ``(column names, rows of cells)``, asked
+        with ``Accept: application/json;as=Table;v=v1;g=meta.k8s.io``; for a custom resource the columns are the
+        CRD's ``additionalPrinterColumns`` after ``Name``.
+
+        Raises:
+            ApiError: a 4xx/5xx answer.
+        """
+        r = self.session.get(self.url + self.path(key, namespace), timeout=self.timeout,
+                             headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"})
+        if r.status_code >= 400:
+            raise ApiError(r.status_code, r.text)
+        doc = r.json()
+        return [c["name"] for c in doc["columnDefinitions"]], [row["cells"] for row in doc.get("rows") or []]
+
     def force_delete(self, key: str, namespace: str | None, name: str) -> dict | None:
         """DELETE with ``gracePeriodSeconds: 0`` (what the kubelet sends once a terminating pod's containers have
         stopped, and the pod garbage collector for pods of vanished nodes); ``None`` when already gone."""
@@ -202,6 +217,33 @@ class ClusterKubeRay(FakeKubeRay):
         created = super().add_node(name, **kw)
         taints = [t for t in (created.get("spec") or {}).get("taints") or [] if t.get("key") != NOT_READY_TAINT]
         return self.kube.patch("v1/nodes", None, name, {"spec": {"taints": taints or None}})
+
+
+# ------------------------------------------------------------------------------------------------ kubectl
+def find_kubectl() -> str | None:
+    """A kubectl binary: ``$DAEDALUS_KUBECTL``, else ``kubectl`` on ``PATH``, else
+    ``${DAEDALUS_CACHE:-~/.cache/daedalus}/bin/kubectl`` (where scripts/fetch-helm.sh's wheel also holds one);
+    ``None`` when there is none."""
+    env = os.environ.get("DAEDALUS_KUBECTL")
+    if env:
+        return env
+    found = shutil.which("kubectl")
+    if found:
+        return found
+    cached = Path(os.environ.get("DAEDALUS_CACHE") or Path.home() / ".cache" / "daedalus") / "bin" / "kubectl"
+    return str(cached) if os.access(cached, os.X_OK) else None
+
+
+def kubectl(binary: str, kubeconfig: Path, *args: str, timeout: float = 60.0) -> str:
+    """Run ``kubectl --kubeconfig <kubeconfig> <args>`` and return its stdout.
+
+    Raises:
+        AssertionError: kubectl exited non-zero (with its stderr).
+    """
+    done = subprocess.run([binary, "--kubeconfig", str(kubeconfig), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "KUBECONFIG": str(kubeconfig)})
+    assert done.returncode == 0, f"kubectl {' '.join(args)} exited {done.returncode}: {done.stderr.strip()}"
+    return done.stdout
 
 
 # ------------------------------------------------------------------------------------------------ the chart

@@ -6,14 +6,19 @@ What kmock cannot show and these tests do: the examples through the real CRD (de
 field surviving structural-schema pruning (a pruned field would be rewritten on every poll); a status write with a
 stale resourceVersion refused by the server and retried; owner-reference garbage collection by the real
 kube-controller-manager; the finalizer released when the Ray dashboard does not answer; one full job with a HyperPod
-node replacement driven by the fake KubeRay and a real local Ray head (slow).
+node replacement driven by the fake KubeRay and a real local Ray head (slow), with what ``kubectl get rltj`` and
+``kubectl describe rltj`` print on the way (the printer columns and the events; ``DAEDALUS_KUBECTL_DOC=<file>`` writes
+the captured output there, as in docs/operator-kubectl.md).
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import json
 import logging
+import os
+import re
 import time
 import types
 import typing
@@ -27,9 +32,11 @@ from cluster_support import (
     Jobs,
     KubeREST,
     example,
+    find_kubectl,
     free_port,
     gc_discovery_wait,
     installed_chart,
+    kubectl,
     missing_paths,
     status_writes,
     steady_status,
@@ -363,10 +370,12 @@ def ray_head():
 @pytest.mark.slow
 @pytest.mark.parametrize("operator", [{"step_seconds": 0.3}], indirect=True)
 def test_a_full_job_succeeds_through_a_hyperpod_node_replacement(ray_head, operator, fake_kuberay, jobs, admin,
-                                                                 namespace):
+                                                                 namespace, control_plane):
     """Fake KubeRay + a real local Ray head + the stand-in trainer: the job runs, HyperPod marks the node under it
     ``UnschedulablePendingReplacement``, the operator checkpoints, stops, moves the pods and resumes without losing a
-    step, and the job ends Succeeded; the real server stores every status field on the way."""
+    step, and the job ends Succeeded; the real server stores every status field on the way, and its printer columns
+    and the job's events are what ``kubectl get`` / ``kubectl describe`` show (real kubectl when there is one)."""
+    shown = KubectlCapture(control_plane.kubeconfig, namespace)
     fake = fake_kuberay(ray_head.dashboard_port, operator.volumes)
     node_a, node_b = f"{namespace}-a", f"{namespace}-b"
     fake.add_node(node_a)
@@ -375,6 +384,11 @@ def test_a_full_job_succeeds_through_a_hyperpod_node_replacement(ray_head, opera
                         resilience__restartBackoffSeconds=1))
     jobs.wait_status("local-tiny", lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= 3,
                      timeout=120, message="Running at step 3")
+    columns, rows = admin.table(kube.RLTJ, namespace)  # the server-side table kubectl prints
+    assert columns == ["Name", "Phase", "Step", "Total", "Success", "Restarts", "Age"], columns
+    ((name, phase, step, total, _success, restarts, _age),) = rows
+    assert (name, phase, total, restarts) == ("local-tiny", "Running", 24, 0) and 3 <= step < 24, rows
+    shown.get("while Running")
     fake.add_node(node_b)  # the replacement capacity
     pods = admin.list("v1/pods", namespace, selector=f"{api.JOB_LABEL}=local-tiny")
     assert {p["spec"]["nodeName"] for p in pods} == {node_a}
@@ -404,6 +418,82 @@ def test_a_full_job_succeeds_through_a_hyperpod_node_replacement(ray_head, opera
     for reason in ("Provisioning", "Submitted", "NodeReplacement", "Resubmitted", "Recovered", "Succeeded"):
         assert reason in reasons, reasons
     steady_status(admin, jobs, ["local-tiny"], seconds=6 * operator.poll)
+    columns, rows = admin.table(kube.RLTJ, namespace)
+    assert [r[:4] + r[5:6] for r in rows] == [["local-tiny", "Succeeded", 24, 24, 1]], rows
+    shown.get("after Succeeded")
+    story = ["Provisioning", "Submitted", "NodeReplacement", "CheckpointTaken", "Recovering", "Resubmitted",
+             "Recovered", "Succeeded"]
+    ordered = [e["reason"] for e in jobs.events("local-tiny")]  # oldest first (resourceVersion)
+    assert [r for r in ordered if r in story] == story, ordered  # each once, in this order
+    shown.describe("local-tiny", story)
+    shown.write()
+
+
+class KubectlCapture:
+    """Runs the real ``kubectl get rltj -A`` / ``kubectl describe rltj`` against the test API server, checks what it
+    prints (columns, phase, event reasons in order) and keeps the output verbatim for ``DAEDALUS_KUBECTL_DOC``.
+
+    Without a kubectl binary the calls do nothing (the server-side table is still checked by the caller), unless
+    ``DAEDALUS_REQUIRE_TOOLS=1``: then the test fails.
+    """
+
+    HEADER = ["NAMESPACE", "NAME", "PHASE", "STEP", "TOTAL", "SUCCESS", "RESTARTS", "AGE"]
+
+    def __init__(self, kubeconfig: Path, namespace: str):
+        self.kubeconfig = kubeconfig
+        self.namespace = namespace
+        self.binary = find_kubectl()
+        if self.binary is None and os.environ.get("DAEDALUS_REQUIRE_TOOLS") == "1":
+            pytest.fail("DAEDALUS_REQUIRE_TOOLS=1 but no kubectl (set DAEDALUS_KUBECTL or put kubectl on PATH)")
+        self.blocks: list[tuple[str, str]] = []
+        self.version = ""
+        if self.binary:
+            client = json.loads(kubectl(self.binary, kubeconfig, "version", "-o", "json"))
+            self.version = f"kubectl {client['clientVersion']['gitVersion']}, server {client['serverVersion']['gitVersion']}"
+
+    def get(self, when: str) -> None:
+        if not self.binary:
+            return
+        out = kubectl(self.binary, self.kubeconfig, "get", "rltj", "-A")
+        lines = [line.split() for line in out.strip().splitlines()]
+        mine = [line for line in lines[1:] if line[0] == self.namespace]
+        assert lines[0] == self.HEADER, out
+        assert len(mine) == 1 and mine[0][1] == "local-tiny", out
+        phase = {"while Running": "Running", "after Succeeded": "Succeeded"}[when]
+        assert mine[0][2] == phase and mine[0][4] == "24", out
+        if phase == "Succeeded":
+            assert mine[0][3] == "24" and mine[0][6] == "1", out
+        # only this test's job, so other tests' leftovers never reach the document
+        self.blocks.append((f"$ kubectl get rltj -A    # {when}", "\n".join([out.splitlines()[0]] + [
+            line for line in out.splitlines()[1:] if line.split()[0] == self.namespace])))
+
+    def describe(self, name: str, reasons: list[str]) -> None:
+        if not self.binary:
+            return
+        out = kubectl(self.binary, self.kubeconfig, "describe", "rltj", name, "-n", self.namespace)
+        assert re.search(r"^Name:\s+local-tiny$", out, re.M) and re.search(r"^\s+Phase:\s+Succeeded$", out, re.M), out
+        events = out.split("\nEvents:", 1)[1]
+        seen = [line.split()[1] for line in events.strip().splitlines()[2:] if line.split()]
+        # kubectl sorts events by their timestamps (one-second resolution): same-second events may print in either
+        # order, so here only presence (each once); the order is checked from the API by resourceVersion.
+        assert sorted(r for r in seen if r in reasons) == sorted(reasons), seen
+        self.blocks.append((f"$ kubectl describe rltj {name} -n {self.namespace}", out.rstrip()))
+
+    def write(self) -> None:
+        target = os.environ.get("DAEDALUS_KUBECTL_DOC")
+        if not target or not self.blocks:
+            return
+        body = "\n\n".join(f"```console\n{cmd}\n{out}\n```" for cmd, out in self.blocks)
+        Path(target).write_text(
+            "# `kubectl get` and `kubectl describe` for an RLTrainingJob\n\n"
+            "Real output, captured verbatim by `DAEDALUS_KUBECTL_DOC=docs/operator-kubectl.md .venv/bin/python -m "
+            "pytest tests/cluster/test_operator_cluster.py -k full_job` (" + self.version + "): the project's "
+            "test control plane (kube-apiserver + etcd + kube-controller-manager built from Debian's kubernetes "
+            "1.20.2 source), the operator installed by the Helm chart and running with its ServiceAccount, the fake "
+            "KubeRay scheduling pods on Node objects, a real local Ray head and the stand-in trainer (24 steps, "
+            "checkpoint every 5), through a HyperPod node replacement (the node under the job labelled "
+            "`UnschedulablePendingReplacement` at step >= 3). The job's namespace is the test's random one. The CRD "
+            "has no priority printer columns, so `-o wide` prints the same columns.\n\n" + body + "\n")
 
 
 def operator_steps(operator: ChartOperator, namespace: str) -> list[dict]:
