@@ -390,7 +390,7 @@ def test_gymnasium_check_env_passes(kwargs: dict) -> None:
 def test_moves_wall_bumps_and_feedback() -> None:
     env = _hand_env()
     obs, reward, terminated, truncated, info = env.step('move("up")')
-    assert obs["feedback"] == "Hit a wall; you did not move."
+    assert obs["feedback"] == "Hit a wall moving up; you did not move."
     assert (reward, terminated, truncated) == (0.0, False, False)
     assert info["wall_bump"] and info["action"] == "up" and env.agent == (1, 1) and info["turn"] == 1
     assert info["distance_to_goal"] == 12

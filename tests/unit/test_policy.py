@@ -37,7 +37,7 @@ def _conversation(history: int, seed: int = 0):
     replies = []
     for k in range(history - 1):
         replies.append('move("up")' if k % 2 else "not an action")
-        obs.append({"image": render_rgb(maze, maze.start, 16), "ascii": "", "feedback": "Hit a wall; you did not move."})
+        obs.append({"image": render_rgb(maze, maze.start, 16), "ascii": "", "feedback": "Hit a wall moving left; you did not move."})
     return prompts.build_conversation(obs, replies, settings)
 
 
@@ -100,7 +100,7 @@ def test_save_load_round_trip_is_exact(tiny_policy, tmp_path):
 
 def test_tokenizer_round_trips_task_text(tiny_policy):
     tok = tiny_policy.tokenizer
-    for text in ['move("up")', "('move', 2)", "<action>stop</action>", "Hit a wall; you did not move.",
+    for text in ['move("up")', "('move', 2)", "<action>stop</action>", "Hit a wall moving left; you did not move.",
                  "naïve ünïcode ✓ \t\n"]:
         assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
     # the task's own strings are compact (merges learned from them)

@@ -104,7 +104,8 @@ def task_corpus() -> list[str]:
     out += [f"Invalid action: {why}. Use {syntax_hint(f)}." for f in ACTION_FORMATS
             for why in ("empty reply", "wrong letter case; actions are lowercase", "no action found")]
     out += [f"Moved {d}." for d in DIRECTIONS] * 8 + [f"Moved {d} and reached the goal." for d in DIRECTIONS]
-    out += ["Hit a wall; you did not move.", "Stopped on the goal.", "Stopped, but not on the goal."] * 4
+    out += [f"Hit a wall moving {d}; you did not move." for d in DIRECTIONS] * 2
+    out += ["Stopped on the goal.", "Stopped, but not on the goal."] * 4
     return out
 
 

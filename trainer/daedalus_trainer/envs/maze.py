@@ -540,7 +540,8 @@ class Maze2DEnv(gymnasium.Env):
     * Calling :meth:`step` after the episode ended, or before :meth:`reset`, raises ``RuntimeError``.
 
     ## Feedback
-    ``"Moved up."``; ``"Hit a wall; you did not move."``; ``"Invalid action: <reason>. Use <syntax>."``;
+    ``"Moved up."``; ``"Hit a wall moving up; you did not move."`` (the direction is named, so a policy that
+    sees only the current observation can tell which move failed); ``"Invalid action: <reason>. Use <syntax>."``;
     ``"Stopped on the goal."``; ``"Stopped, but not on the goal."``; ``"Moved down and reached the goal."``
     (arrival). None of them quotes the model's text.
 
@@ -654,7 +655,7 @@ class Maze2DEnv(gymnasium.Env):
             target = (self.agent[0] + dr, self.agent[1] + dc)
             if self.maze.walls[target]:
                 wall_bump = True
-                feedback = "Hit a wall; you did not move."
+                feedback = f"Hit a wall moving {parsed.action}; you did not move."
             else:
                 self.agent = target
                 feedback = f"Moved {parsed.action}."
