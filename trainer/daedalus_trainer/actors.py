@@ -113,6 +113,8 @@ class UpdateStats:
     zero_variance_groups: int
     skipped: bool
     seconds: float
+    updates: int = 1
+    """Optimizer updates made (``iterationsPerStep`` minus any skipped for a non-finite gradient)."""
 
 
 class Learner:
@@ -167,7 +169,8 @@ class Learner:
         """One optimizer step on ``M * G`` episodes laid out group by group (episode ``e`` is in group ``e // G``).
 
         Rewards -> group-relative advantages -> clipped policy loss on the assistant tokens of every turn (the
-        episode's advantage broadcast to all of them) -> gradient clipping -> AdamW. Groups whose rewards are all equal
+        episode's advantage broadcast to all of them) -> gradient clipping -> AdamW, ``iterationsPerStep`` times over
+        the same rollouts (the behaviour log-probs stay those recorded at sampling time). Groups whose rewards are all equal
         carry no signal and are skipped (unless a KL term is on); if every group is like that the step is skipped.
 
         Raises:
@@ -187,7 +190,7 @@ class Learner:
         episodes = [e for e in range(n) if use_kl or not bool(zero_var[e // group_size])]
         n_zero = int(zero_var.sum())
         if not episodes:
-            return UpdateStats(None, None, None, None, 0, 0, n_zero, True, time.perf_counter() - started)
+            return UpdateStats(None, None, None, None, 0, 0, n_zero, True, time.perf_counter() - started, updates=0)
 
         # Micro-batches of whole episodes (an episode's turns stay together, which the per-episode aggregations need).
         chunks: list[list[int]] = [[]]
@@ -201,10 +204,9 @@ class Learner:
             rows_in_chunk += rows
         total_tokens = sum(len(turn.completion_ids) for e in episodes for turn in trajectories[e].turns)
 
-        self.policy.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        kl_sum = clip_sum = loss_sum = 0.0
-        sequences = 0
+        # Collate once: the batches, behaviour log-probs and (with a KL term) reference log-probs are the same for
+        # every iteration over this rollout batch.
+        prepared = []
         for chunk in chunks:
             seqs, old_rows, row_adv, row_ep = [], [], [], []
             for e in chunk:
@@ -214,34 +216,52 @@ class Learner:
                     row_adv.append(float(adv[e]))
                     row_ep.append(e)
             batch = self.policy.collate(seqs)
-            logprobs = self.policy.response_logprobs(batch, algo.temperature)  # [B, T]
-            old = torch.zeros_like(logprobs)
+            old = torch.zeros(batch.assistant_mask.shape, dtype=torch.float32)
             for i, s in enumerate(seqs):
                 start = len(s.prompt_ids)
                 old[i, start : start + len(s.completion_ids)] = torch.tensor(old_rows[i], dtype=old.dtype)
-            ref = self.policy.reference_logprobs(batch, algo.temperature) if use_kl else None
-            chunk_tokens = int(batch.assistant_mask.sum())
-            loss, st = grpo_loss(
-                logprobs, old, torch.tensor(row_adv), batch.assistant_mask,
-                torch.tensor(row_ep, dtype=torch.long, device=logprobs.device),
-                clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
-                ref_logprobs=ref, kl_coef=algo.kl_coef, aggregation=algo.loss_aggregation.value, num_episodes=n,
-            )
-            if algo.loss_aggregation.value == "token-mean":
-                loss = loss * (chunk_tokens / max(total_tokens, 1))  # the mean over all tokens, accumulated
-            loss.backward()
-            loss_sum += float(loss.detach())
-            kl_sum += st.kl * chunk_tokens
-            clip_sum += st.clip_fraction * chunk_tokens
-            sequences += len(seqs)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, algo.max_grad_norm))
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
+            ref = None
+            if use_kl:
+                with torch.no_grad():
+                    ref = self.policy.reference_logprobs(batch, algo.temperature)
+            prepared.append((batch, old, torch.tensor(row_adv), torch.tensor(row_ep, dtype=torch.long), ref,
+                             len(seqs)))
+
+        iterations = int(algo.iterations_per_step)
+        kl_sum = clip_sum = loss_sum = norm_sum = 0.0
+        updates = 0
+        self.policy.model.train()
+        for _ in range(iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            for batch, old, row_adv, row_ep, ref, _n in prepared:
+                logprobs = self.policy.response_logprobs(batch, algo.temperature)  # [B, T]
+                chunk_tokens = int(batch.assistant_mask.sum())
+                loss, st = grpo_loss(
+                    logprobs, old.to(logprobs.device, logprobs.dtype), row_adv.to(logprobs.device),
+                    batch.assistant_mask, row_ep.to(logprobs.device),
+                    clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
+                    ref_logprobs=ref, kl_coef=algo.kl_coef, aggregation=algo.loss_aggregation.value, num_episodes=n,
+                )
+                if algo.loss_aggregation.value == "token-mean":
+                    loss = loss * (chunk_tokens / max(total_tokens, 1))  # the mean over all tokens, accumulated
+                loss.backward()
+                loss_sum += float(loss.detach())
+                kl_sum += st.kl * chunk_tokens
+                clip_sum += st.clip_fraction * chunk_tokens
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, algo.max_grad_norm))
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+                updates += 1
+                norm_sum += grad_norm
         self.optimizer.zero_grad(set_to_none=True)
         self.policy.model.eval()
+        sequences = sum(p[-1] for p in prepared)
+        per_token = max(total_tokens, 1) * iterations
         return UpdateStats(
-            # Without a KL term no reference forward runs: report no KL rather than a made-up 0.
-            loss=loss_sum, kl=kl_sum / max(total_tokens, 1) if use_kl else None, grad_norm=grad_norm,
-            clip_fraction=clip_sum / max(total_tokens, 1), tokens=total_tokens, sequences=sequences,
-            zero_variance_groups=n_zero, skipped=not math.isfinite(grad_norm), seconds=time.perf_counter() - started,
+            # Means over the iterations. Without a KL term no reference forward runs: report no KL rather than 0.
+            loss=loss_sum / iterations, kl=kl_sum / per_token if use_kl else None,
+            grad_norm=norm_sum / updates if updates else float("nan"),
+            clip_fraction=clip_sum / per_token, tokens=total_tokens, sequences=sequences,
+            zero_variance_groups=n_zero, skipped=updates == 0, seconds=time.perf_counter() - started,
+            updates=updates,
         )

@@ -136,8 +136,12 @@ class AlgorithmSpec(_Model):
     """`token-mean` (DAPO), `seq-mean-token-sum` (Dr. GRPO) or `seq-mean-token-mean` (original GRPO)."""
     advantage_norm: Literal["group-std", "none"] = "group-std"
     """`group-std`: (r - mean) / (std + eps) within each group (GRPO); `none`: r - mean (Dr. GRPO)."""
+    iterations_per_step: int = Field(1, ge=1, le=64)
+    """Policy updates per batch of rollouts (mu of DeepSeekMath's Algorithm 1; TRL's `num_iterations`). Above 1 the
+    later updates are off-policy and the clipped ratio bounds how far each moves; rollouts cost most of a step, so
+    reusing them is cheap."""
     steps: int = Field(100, ge=1, le=10_000_000)
-    """Number of GRPO optimizer steps."""
+    """Number of GRPO steps (batches of rollouts; each makes `iterationsPerStep` optimizer updates)."""
     seed: int = Field(0, ge=0)
     """Seed of maze sampling, rollouts and initialisation; a resumed run continues the same streams."""
     eval_interval_steps: int = Field(0, ge=0)

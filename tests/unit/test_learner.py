@@ -1,0 +1,84 @@
+"""The GRPO learner on a real tiny Qwen3-VL (random weights): one step over real rollouts, once and twice per batch.
+
+Rewards are assigned by hand (the random policy never reaches a goal) so that every group has mixed outcomes: the
+learner, not the environment, is under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.tiny_model import make_tiny_job, tiny_checkpoint  # noqa: F401
+
+from daedalus_trainer.actors import Learner
+from daedalus_trainer.envs import maze_from_seed
+from daedalus_trainer.rollout import SamplingParams, TransformersEngine, run_episodes
+
+GROUP = 4
+
+
+def _rollouts(learner: Learner, job):
+    """2 groups of 4 short episodes sampled from the learner's own policy, rewards 1 for the first two of a group."""
+    engine = TransformersEngine(learner.policy)
+    mazes = [maze_from_seed(7, s) for s in (1, 2) for _ in range(GROUP)]
+    with torch.no_grad():
+        trajs = run_episodes(engine, mazes, job.spec.environment, SamplingParams(1.0, 1.0, 6), seed=11)
+    for i, t in enumerate(trajs):
+        t.reward = 1.0 if i % GROUP < 2 else 0.0
+    return trajs
+
+
+def _mean_logprob(learner: Learner, trajs, which) -> float:
+    """Mean log-prob (temperature 1) of the sampled tokens of the episodes ``which`` selects."""
+    seqs = [turn.sequence() for i, t in enumerate(trajs) if which(i) for turn in t.turns]
+    batch = learner.policy.collate(seqs)
+    with torch.no_grad():
+        lp = learner.policy.response_logprobs(batch, 1.0)
+    return float((lp * batch.assistant_mask).sum() / batch.assistant_mask.sum())
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_update_raises_rewarded_and_lowers_unrewarded_episodes(tiny_checkpoint, iterations):  # noqa: F811
+    job = make_tiny_job(tiny_checkpoint, algorithm={"learningRate": 0.01, "iterationsPerStep": iterations},
+                        environment={"maxTurns": 3})
+    learner = Learner(job, None, str(tiny_checkpoint.parent))
+    trajs = _rollouts(learner, job)
+    good_before = _mean_logprob(learner, trajs, lambda i: i % GROUP < 2)
+    bad_before = _mean_logprob(learner, trajs, lambda i: i % GROUP >= 2)
+
+    stats = learner.update(trajs, GROUP)
+
+    assert not stats.skipped and stats.updates == iterations and stats.zero_variance_groups == 0
+    assert stats.sequences == sum(len(t.turns) for t in trajs)
+    if iterations == 1:
+        # on-policy: the ratio is exactly 1, nothing is clipped
+        assert stats.clip_fraction == 0.0
+    good_after = _mean_logprob(learner, trajs, lambda i: i % GROUP < 2)
+    bad_after = _mean_logprob(learner, trajs, lambda i: i % GROUP >= 2)
+    assert good_after > good_before and bad_after < bad_before
+
+
+def test_second_iteration_moves_further_than_one(tiny_checkpoint):  # noqa: F811
+    moved = {}
+    for iterations in (1, 2):
+        job = make_tiny_job(tiny_checkpoint, algorithm={"learningRate": 0.01, "iterationsPerStep": iterations},
+                            environment={"maxTurns": 3})
+        learner = Learner(job, None, str(tiny_checkpoint.parent))
+        trajs = _rollouts(learner, job)
+        before = _mean_logprob(learner, trajs, lambda i: i % GROUP < 2)
+        learner.update(trajs, GROUP)
+        moved[iterations] = _mean_logprob(learner, trajs, lambda i: i % GROUP < 2) - before
+    assert moved[2] > moved[1] > 0
+
+
+def test_all_equal_rewards_skip_the_update(tiny_checkpoint):  # noqa: F811
+    job = make_tiny_job(tiny_checkpoint, algorithm={"iterationsPerStep": 3}, environment={"maxTurns": 2})
+    learner = Learner(job, None, str(tiny_checkpoint.parent))
+    trajs = _rollouts(learner, job)
+    for t in trajs:
+        t.reward = 0.0
+    before = learner.adapter_state()
+    stats = learner.update(trajs, GROUP)
+    assert stats.skipped and stats.updates == 0 and stats.zero_variance_groups == 2
+    after = learner.adapter_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
