@@ -19,13 +19,16 @@ Registered by :func:`register` on an explicit registry (the timer interval is a 
 One reconcile: a fresh GET of the job (never a stale body), observations, the plan, the status written once when it
 changed (a merge patch carrying the job's resourceVersion: a concurrent write makes it 409 and the next tick re-plans
 from fresh state; nothing is executed), then the actions. An action that fails is reported in the ``Reconciling``
-condition and retried by the next reconcile.
+condition and retried by the next reconcile. ``EnsureChildren`` creates only what this process has not created yet
+(:class:`Children`): one create per child and job, no 409 AlreadyExists while kopf's index catches up.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -65,6 +68,47 @@ RLTJ = (api.GROUP, api.VERSION, api.PLURAL)
 MAX_LOOPS = 5  # immediate re-plans within one reconcile (requeue_after == 0)
 
 
+#: Seconds a RayCluster this process created may be missing from the kopf index (the watch event not arrived yet)
+#: before ``EnsureChildren`` creates it again (KubeRay's habit: an expectation of what was created, so a lagging cache
+#: does not cause a second create).
+INDEX_LAG_SECONDS = 30.0
+
+
+@dataclasses.dataclass
+class Children:
+    """What this operator process knows exists of one job's children, so that ``EnsureChildren`` (decided on every
+    reconcile that might need it) sends no create the server would answer 409 AlreadyExists.
+
+    ``present``: child kinds (``group/version/plural``) created here or answered 409 (exist); ``config_digest``:
+    SHA-256 of the ConfigMap data last written or confirmed; ``cluster_created``: ``time.monotonic()`` of this process's RayCluster
+    create (``None`` when none is pending); ``cluster_seen``: the RayCluster has appeared in the kopf index since.
+    A RayCluster that was seen and is gone from the index again was deleted (suspend, a terminal phase, by hand):
+    the whole record is dropped and every child is ensured again. Lost on an operator restart (then the creates are
+    answered 409 once, as before).
+    """
+
+    present: set[str] = dataclasses.field(default_factory=set)
+    config_digest: str | None = None
+    cluster_created: float | None = None
+    cluster_seen: bool = False
+
+    def note_cluster(self, exists: bool) -> None:
+        """Account for the RayCluster as the kopf index shows it now."""
+        if exists:
+            self.cluster_seen = True
+            self.cluster_created = None
+            self.present.add(kube.RAYCLUSTERS)
+        elif self.cluster_seen:  # seen, now gone: deleted; start over
+            self.present.clear()
+            self.config_digest = None
+            self.cluster_seen = False
+            self.cluster_created = None
+
+    def cluster_pending(self, now: float) -> bool:
+        """Created by this process moments ago and not in the index yet (within :data:`INDEX_LAG_SECONDS`)."""
+        return self.cluster_created is not None and now - self.cluster_created < INDEX_LAG_SECONDS
+
+
 @dataclasses.dataclass
 class Runtime:
     """Per-process runtime values (kopf ``memo``): API client, background checkpoint calls, metrics, locks."""
@@ -77,8 +121,14 @@ class Runtime:
     ray: dict[str, RayJobs] = dataclasses.field(default_factory=dict)
     tokens: dict[str, str] = dataclasses.field(default_factory=dict)
     deleting: dict[str, float] = dataclasses.field(default_factory=dict)  # uid -> monotonic time first seen deleting
+    made: dict[str, "Children"] = dataclasses.field(default_factory=dict)  # uid -> the children known to exist
     last_api_ok: float = dataclasses.field(default_factory=time.monotonic)
     guard: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def children(self, uid: str) -> "Children":
+        """The record of job ``uid``'s children (created on first use)."""
+        with self.guard:
+            return self.made.setdefault(uid, Children())
 
     def lock_for(self, uid: str) -> threading.Lock:
         with self.guard:
@@ -181,27 +231,45 @@ def _token(rt: Runtime, job: JobView) -> str | None:
     return token
 
 
-def ensure_children(rt: Runtime, job: JobView) -> None:
+def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> None:
     """Create what is missing (ConfigMap, Secret, NetworkPolicy, RayCluster, in that order: the pods mount the first
-    two); bring the ConfigMap's data up to date; never touch an existing Secret."""
+    two); bring the ConfigMap's data up to date; never touch an existing Secret.
+
+    Children this process already created (or was told exist) are not created again (:class:`Children`): only the
+    first ``EnsureChildren`` of a job costs API calls, later ones (the index lagging behind the new RayCluster, the
+    resubmission of an attempt) none unless the ConfigMap data changed or the RayCluster was deleted.
+    ``cluster_exists``: the kopf index shows the job's RayCluster.
+    """
     k = rt.kube
+    made = rt.children(job.uid)
+    made.note_cluster(cluster_exists)
     cm = resources.build_config_map(job)
-    try:
-        k.create(kube.CONFIGMAPS, job.namespace, cm)
-    except kube.KubeError as e:
-        if not e.conflict:
-            raise
-        current = k.get(kube.CONFIGMAPS, job.namespace, cm["metadata"]["name"]) or {}
-        if current.get("data") != cm["data"]:
-            k.patch(kube.CONFIGMAPS, job.namespace, cm["metadata"]["name"], {"data": cm["data"]})
-    for key, body in ((kube.SECRETS, resources.build_secret(job)),
-                      (kube.NETWORKPOLICIES, resources.build_network_policy(job, rt.settings)),
-                      (kube.RAYCLUSTERS, resources.build_raycluster(job, rt.settings))):
+    digest = hashlib.sha256(json.dumps(cm["data"], sort_keys=True).encode()).hexdigest()
+    if kube.CONFIGMAPS not in made.present or made.config_digest != digest:
         try:
-            k.create(key, job.namespace, body)
+            k.create(kube.CONFIGMAPS, job.namespace, cm)
         except kube.KubeError as e:
             if not e.conflict:
                 raise
+            current = k.get(kube.CONFIGMAPS, job.namespace, cm["metadata"]["name"]) or {}
+            if current.get("data") != cm["data"]:
+                k.patch(kube.CONFIGMAPS, job.namespace, cm["metadata"]["name"], {"data": cm["data"]})
+        made.present.add(kube.CONFIGMAPS)
+        made.config_digest = digest
+    for key, build in ((kube.SECRETS, lambda: resources.build_secret(job)),
+                       (kube.NETWORKPOLICIES, lambda: resources.build_network_policy(job, rt.settings)),
+                       (kube.RAYCLUSTERS, lambda: resources.build_raycluster(job, rt.settings))):
+        if key in made.present or (key == kube.RAYCLUSTERS and made.cluster_pending(time.monotonic())):
+            continue
+        try:
+            k.create(key, job.namespace, build())
+        except kube.KubeError as e:
+            if not e.conflict:
+                raise
+        if key == kube.RAYCLUSTERS:
+            made.cluster_created = time.monotonic()  # present once the index shows it (note_cluster)
+        else:
+            made.present.add(key)
 
 
 def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: Any) -> None:
@@ -209,9 +277,12 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
     k = rt.kube
     c = observed.cluster
     if isinstance(action, EnsureChildren):
-        ensure_children(rt, job)
+        ensure_children(rt, job, cluster_exists=c.exists)
     elif isinstance(action, DeleteCluster):
         k.delete(kube.RAYCLUSTERS, job.namespace, api.raycluster_name(job.name))
+        made = rt.children(job.uid)
+        made.present.discard(kube.RAYCLUSTERS)
+        made.cluster_created = None
     elif isinstance(action, Submit):
         if not c.dashboard_url:
             raise RayUnreachable("no head address to submit to")
@@ -290,6 +361,7 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
                     break
             job = job_view(body)
             observed = gather(rt, job, indexes)
+            rt.children(job.uid).note_cluster(observed.cluster.exists)
             now = _utcnow()
             timing = Timing(poll=rt.settings.poll_interval, unreachable_grace=rt.settings.unreachable_grace)
             last = plan(job, observed, now, timing)
@@ -388,6 +460,8 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     if sid:
         rt.calls.forget(sid)
     rt.tokens.pop(meta.get("uid", ""), None)
+    with rt.guard:
+        rt.made.pop(meta.get("uid", ""), None)
     if problems and waited < rt.settings.deletion_timeout:
         raise kopf.TemporaryError("; ".join(problems), delay=min(2.0, max(0.2, rt.settings.deletion_timeout - waited)))
     with rt.guard:
