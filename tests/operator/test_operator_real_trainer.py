@@ -29,12 +29,18 @@ def env(tmp_path: Path, ray_head):
     e.stop()
 
 
-def test_node_replacement_with_the_real_trainer_loses_no_step(env: OperatorEnv, sft_start: Path) -> None:
+def _real_trainer_job(env: OperatorEnv, sft_start: Path, *, steps: int, interval: int, hyperpod: bool) -> dict:
+    """A small real-trainer job (2 mazes x 4 episodes per step, arrival within 16 turns) starting from ``sft_start``."""
     manifest = env.job_manifest(
-        algorithm__steps=STEPS, algorithm__groupSize=4, algorithm__mazesPerStep=2, algorithm__maxTokensPerTurn=10,
+        algorithm__steps=steps, algorithm__groupSize=4, algorithm__mazesPerStep=2, algorithm__maxTokensPerTurn=10,
         environment__evalMazes=16, environment__successOn="arrival", environment__maxTurns=16,
-        checkpoint__intervalSteps=100, resilience__hyperPod=True)
+        checkpoint__intervalSteps=interval, resilience__hyperPod=hyperpod)
     manifest["spec"]["model"]["sftAdapter"] = str(sft_start)
+    return manifest
+
+
+def test_node_replacement_with_the_real_trainer_loses_no_step(env: OperatorEnv, sft_start: Path) -> None:
+    manifest = _real_trainer_job(env, sft_start, steps=STEPS, interval=100, hyperpod=True)
     env.apply(manifest)
     st = env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= 2, timeout=400,
                          message="attempt 1 stepping with the real trainer")
@@ -76,11 +82,7 @@ def test_killed_real_trainer_resumes_from_the_last_periodic_checkpoint(env: Oper
     import signal
 
     steps, interval = 8, 3
-    manifest = env.job_manifest(
-        algorithm__steps=steps, algorithm__groupSize=4, algorithm__mazesPerStep=2, algorithm__maxTokensPerTurn=10,
-        environment__evalMazes=16, environment__successOn="arrival", environment__maxTurns=16,
-        checkpoint__intervalSteps=interval, resilience__hyperPod=False)
-    manifest["spec"]["model"]["sftAdapter"] = str(sft_start)
+    manifest = _real_trainer_job(env, sft_start, steps=steps, interval=interval, hyperpod=False)
     env.apply(manifest)
     env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= interval + 1, timeout=400,
                     message="attempt 1 past its first periodic checkpoint")
@@ -123,11 +125,7 @@ def test_operator_restart_mid_run_with_the_real_trainer_never_submits_twice(env:
     from daedalus_operator.submit import RayJobs
 
     steps, interval = 8, 2
-    manifest = env.job_manifest(
-        algorithm__steps=steps, algorithm__groupSize=4, algorithm__mazesPerStep=2, algorithm__maxTokensPerTurn=10,
-        environment__evalMazes=16, environment__successOn="arrival", environment__maxTurns=16,
-        checkpoint__intervalSteps=interval, resilience__hyperPod=False)
-    manifest["spec"]["model"]["sftAdapter"] = str(sft_start)
+    manifest = _real_trainer_job(env, sft_start, steps=steps, interval=interval, hyperpod=False)
     job = env.apply(manifest)
     before = env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= interval + 1
                              and (s.get("latestCheckpoint") or {}).get("step"), timeout=400,
