@@ -13,7 +13,14 @@ tokens sampled in it). An episode's advantage is broadcast to every assistant to
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -158,14 +165,6 @@ def grpo_loss(
 
 # ------------------------------------------------------------------------------------------------------ the loop
 # sample -> rollout -> reward -> advantage -> loss -> step -> publish adapter -> checkpoint -> log
-
-import logging  # noqa: E402
-import os  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
 
 log = logging.getLogger("daedalus.grpo")
 
