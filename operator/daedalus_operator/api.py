@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 # ------------------------------------------------------------------------------------------------ API coordinates
-#: KubeRay API (ray.io/v1, KubeRay >= 1.0; schemas in ../shared/kuberay-v1.7.0/).
+#: KubeRay API (ray.io/v1, KubeRay >= 1.0; schemas vendored in tests/data/kuberay-v1.7.0/).
 RAY_GROUP = "ray.io"
 RAY_VERSION = "v1"
 RAY_API_VERSION = f"{RAY_GROUP}/{RAY_VERSION}"

@@ -12,7 +12,7 @@
 - :func:`build_rayservice` - Ray Serve LLM (vLLM engine) serving the base model from the shared volume with the
   exported adapter as a dynamic LoRA (requests name ``<model.name>:adapter``).
 
-Every builder returns a plain dict; tests validate the KubeRay ones against ``../shared/kuberay-v1.7.0`` and the
+Every builder returns a plain dict; tests validate the KubeRay ones against KubeRay v1.7.0's CRDs (vendored in ``tests/data/kuberay-v1.7.0``) and the
 built-in kinds with ``kubernetes-validate --strict``.
 
 References: KubeRay RayCluster/RayService API (ray-operator/apis/ray/v1), KubeRay's pod builder

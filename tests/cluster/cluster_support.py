@@ -56,9 +56,10 @@ for _extra in (REPO / "tests" / "support", REPO / "tests" / "charts"):
 from controlplane import ControlPlane, crd_for_1_20  # noqa: E402
 from fake_kuberay import FakeKubeRay, wait_for  # noqa: E402
 from kmock_api import ApiError, KubeClient  # noqa: E402
+from kuberay import KUBERAY_CRDS  # noqa: E402
 from ray_head import free_port  # noqa: E402
 
-KUBERAY = REPO / ".." / "shared" / "kuberay-v1.7.0"
+KUBERAY = KUBERAY_CRDS
 EXAMPLES = REPO / "examples"
 #: The chart under test: ``$DAEDALUS_TEST_CHART`` (e.g. a copy with a verb removed) or the repository's chart.
 CHART = Path(os.environ.get("DAEDALUS_TEST_CHART") or REPO / "charts" / "daedalus")

@@ -15,12 +15,13 @@ import jsonschema
 import pytest
 import yaml
 from fake_kuberay import wait_for
+from kuberay import KUBERAY_CRDS
 from operator_env import OperatorEnv
 
 from daedalus_operator import api
 
 ROOT = Path(__file__).resolve().parents[2]
-KUBERAY = ROOT / ".." / "shared" / "kuberay-v1.7.0"
+KUBERAY = KUBERAY_CRDS
 CHILDREN = [("v1/configmaps", "local-tiny-config"), ("v1/secrets", "local-tiny-control"),
             ("networking.k8s.io/v1/networkpolicies", "local-tiny-ray"), ("ray.io/v1/rayclusters", "local-tiny-ray")]
 

@@ -16,14 +16,14 @@ import kubernetes_validate
 import pytest
 import yaml
 from daedalus_trainer.config import RLTrainingJobStatus, parse_job
+from kuberay import KUBERAY_CRDS
 
 from daedalus_operator import api, resources as r
 from daedalus_operator.plan import JobView
 from daedalus_operator.settings import OperatorSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-# Repository-relative, as in CI's clone: ../shared/kuberay-v1.7.0 beside the repository root.
-KUBERAY = ROOT / ".." / "shared" / "kuberay-v1.7.0"
+KUBERAY = KUBERAY_CRDS
 K8S_VERSION = "1.30.0"
 SETTINGS = OperatorSettings(operator_namespace="daedalus-system")
 
