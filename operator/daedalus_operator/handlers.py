@@ -105,7 +105,8 @@ class Children:
             self.cluster_created = None
 
     def cluster_pending(self, now: float) -> bool:
-        """Created by this process moments ago and not in the index yet (within :data:`INDEX_LAG_SECONDS`)."""
+        """Created by this process moments ago and not in the index yet (within :data:`INDEX_LAG_SECONDS`); the
+        caller confirms with a GET before skipping the create."""
         return self.cluster_created is not None and now - self.cluster_created < INDEX_LAG_SECONDS
 
 
@@ -259,8 +260,13 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
     for key, build in ((kube.SECRETS, lambda: resources.build_secret(job)),
                        (kube.NETWORKPOLICIES, lambda: resources.build_network_policy(job, rt.settings)),
                        (kube.RAYCLUSTERS, lambda: resources.build_raycluster(job, rt.settings))):
-        if key in made.present or (key == kube.RAYCLUSTERS and made.cluster_pending(time.monotonic())):
+        if key in made.present:
             continue
+        if key == kube.RAYCLUSTERS and made.cluster_pending(time.monotonic()):
+            # Created here moments ago and not in kopf's index yet: one GET tells "still there" (skip the create)
+            # from "deleted before the index ever saw it" (create it again now, not after INDEX_LAG_SECONDS).
+            if k.get(key, job.namespace, api.raycluster_name(job.name)) is not None:
+                continue
         try:
             k.create(key, job.namespace, build())
         except kube.KubeError as e:
