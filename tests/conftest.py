@@ -4,9 +4,15 @@ and the session fixtures several tiers share (a short real SFT run, a local Ray)
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# tests/support holds helpers every tier imports by module name (fake_kuberay, kmock_api, kuberay, ...).
+_SUPPORT = str(Path(__file__).resolve().parent / "support")
+if _SUPPORT not in sys.path:
+    sys.path.insert(0, _SUPPORT)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
