@@ -177,6 +177,21 @@ def test_validate_cli_reports_paths(tmp_path):
     assert ok.returncode == 0, ok.stdout + ok.stderr
 
 
+def test_validate_cli_checks_every_document_and_prints_messages_literally(tmp_path):
+    """A later broken document is not hidden by a valid first one; a missing name is reported as the API server
+    would; a pattern in a message keeps its brackets (rich markup is escaped)."""
+    nameless = _local()
+    del nameless["metadata"]
+    badname = _set(_local(), "metadata.name", "-bad-")
+    f = tmp_path / "jobs.yaml"
+    f.write_text(yaml.safe_dump_all([_local(), nameless, badname]))
+    out = subprocess.run([sys.executable, "-m", "daedalus_trainer", "validate", str(f)], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "document 1 of 3): RLTrainingJob 'local-tiny' is valid" in out.stdout
+    assert "document 2 of 3): 1 error(s)" in out.stdout and "metadata.name: required" in out.stdout
+    assert "'^[a-z0-9]([-a-z0-9]*[a-z0-9])?$'" in out.stdout, out.stdout
+
+
 def test_malformed_yaml_is_a_spec_error(tmp_path):
     f = tmp_path / "x.yaml"
     f.write_text("spec: [unclosed\n")

@@ -38,26 +38,47 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
-    from daedalus_trainer.config import SpecError, load_job
+    from daedalus_trainer.config import SpecError, load_documents, parse_job
 
     console = Console(stderr=False, highlight=False, soft_wrap=True)
     status = 0
     for f in args.files:
         try:
-            job = load_job(f)
+            docs = load_documents(f)
         except FileNotFoundError:
-            console.print(f"[red]✗[/red] {f}: no such file")
+            console.print(f"[red]✗[/red] {escape(f)}: no such file")
             status = 1
             continue
         except SpecError as exc:
-            console.print(f"[red]✗[/red] {f}: {len(exc.errors)} error(s)")
-            for path, msg in exc.errors:
-                console.print(f"    [bold]{path}[/bold]: {msg}")
-            status = 1
-            continue
-        console.print(f"[green]✓[/green] {f}: RLTrainingJob {job.metadata.name!r} is valid")
+            docs, status = [], 1
+            _print_errors(console, f, exc.errors)
+        for i, doc in enumerate(docs):
+            where = f if len(docs) == 1 else f"{f} (RLTrainingJob document {i + 1} of {len(docs)})"
+            errors = []
+            if isinstance(doc, dict) and not (doc.get("metadata") or {}).get("name"):
+                errors.append(("metadata.name", "required: the API server rejects an object without a name"))
+            try:
+                job = parse_job(doc, source=f)
+            except SpecError as exc:
+                errors.extend(exc.errors)
+            if errors:
+                _print_errors(console, where, errors)
+                status = 1
+                continue
+            name = escape(repr(job.metadata.name))
+            console.print(f"[green]✓[/green] {escape(where)}: RLTrainingJob {name} is valid")
     return status
+
+
+def _print_errors(console, where: str, errors) -> None:
+    """Every error with its field path; messages are printed literally (rich markup in them is escaped)."""
+    from rich.markup import escape
+
+    console.print(f"[red]✗[/red] {escape(where)}: {len(errors)} error(s)")
+    for path, msg in errors:
+        console.print(f"    [bold]{escape(str(path))}[/bold]: {escape(str(msg))}")
 
 
 def _cmd_maze(args: argparse.Namespace) -> int:

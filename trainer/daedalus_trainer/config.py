@@ -673,12 +673,13 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
     return job
 
 
-def load_job(path: str | Path) -> RLTrainingJob:
-    """Read an RLTrainingJob from a YAML or JSON file (the first document whose kind is RLTrainingJob).
+def load_documents(path: str | Path) -> list[Any]:
+    """The RLTrainingJob documents of a YAML or JSON file (all documents whose kind is RLTrainingJob; the first
+    document when none says so, so that its validation names what is wrong).
 
     Raises:
         FileNotFoundError: the file does not exist.
-        SpecError: the YAML is malformed or the job is invalid (every error with its field path).
+        SpecError: the YAML is malformed or the file holds no document.
     """
     path = Path(path)
     text = path.read_text()
@@ -689,4 +690,14 @@ def load_job(path: str | Path) -> RLTrainingJob:
     if not docs:
         raise SpecError([("(root)", "the file holds no document")], str(path))
     jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
-    return parse_job(jobs[0] if jobs else docs[0], source=str(path))
+    return jobs or docs[:1]
+
+
+def load_job(path: str | Path) -> RLTrainingJob:
+    """Read an RLTrainingJob from a YAML or JSON file (the first document whose kind is RLTrainingJob).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        SpecError: the YAML is malformed or the job is invalid (every error with its field path).
+    """
+    return parse_job(load_documents(path)[0], source=str(path))
