@@ -89,6 +89,18 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         # the evaluation right after replaces SFT's own final one
         start_dir = str(sft.run_sft(job, run_dir / "sft", resume=resume != "none", final_eval=False))
     work_dir = run_dir
+    # What evaluation loads: a full SFT model (tiny) with GRPO's fresh adapter on top, or the base model with the SFT
+    # adapter (which GRPO trains further, so the exported adapter replaces it).
+    from daedalus_trainer.policy import is_adapter_dir, is_checkpoint_dir, resolve_base_dir
+
+    if not (is_adapter_dir(start_dir) or is_checkpoint_dir(start_dir)):
+        console.print(f"[red]model.sftAdapter {start_dir!r} is neither a PEFT adapter directory (adapter_config.json) "
+                      "nor a model directory (config.json) on this machine[/red]")
+        return 2
+    if is_adapter_dir(start_dir):
+        eval_model, start_adapter = str(resolve_base_dir(job.spec.model, work_dir)), start_dir
+    else:
+        eval_model, start_adapter = start_dir, None
 
     # 2. before
     before_file = run_dir / "eval-before.json"
@@ -96,7 +108,8 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         before = json.loads(before_file.read_text())
     else:
         console.rule("Evaluation of the starting point (held-out layouts)")
-        before = _eval_summary(evaluation.run_eval(job, start_dir, adapter_path=None, greedy=True, sampled=True))
+        before = _eval_summary(evaluation.run_eval(job, eval_model, adapter_path=start_adapter, greedy=True,
+                                                   sampled=True))
         before_file.write_text(json.dumps(before, indent=2))
 
     # 3. GRPO
@@ -121,7 +134,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
 
     # 4. after
     console.rule("Evaluation after GRPO (held-out layouts)")
-    after = _eval_summary(evaluation.run_eval(job, start_dir, adapter_path=str(result.adapter_dir), greedy=True,
+    after = _eval_summary(evaluation.run_eval(job, eval_model, adapter_path=str(result.adapter_dir), greedy=True,
                                               sampled=True))
     (run_dir / "eval-after.json").write_text(json.dumps(after, indent=2))
 
