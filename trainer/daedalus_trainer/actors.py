@@ -166,12 +166,13 @@ class Learner:
 
     # -- the GRPO update -------------------------------------------------------------------------------------------
     def update(self, trajectories: Sequence[Any], group_size: int) -> UpdateStats:
-        """One optimizer step on ``M * G`` episodes laid out group by group (episode ``e`` is in group ``e // G``).
+        """One GRPO step on ``M * G`` episodes laid out group by group (episode ``e`` is in group ``e // G``).
 
         Rewards -> group-relative advantages -> clipped policy loss on the assistant tokens of every turn (the
         episode's advantage broadcast to all of them) -> gradient clipping -> AdamW, ``iterationsPerStep`` times over
-        the same rollouts (the behaviour log-probs stay those recorded at sampling time). Groups whose rewards are all equal
-        carry no signal and are skipped (unless a KL term is on); if every group is like that the step is skipped.
+        the same rollouts (the behaviour log-probs stay those recorded at sampling time). Groups whose rewards are all
+        equal carry no signal and are skipped (unless a KL term is on); if every group is like that the step is
+        skipped.
 
         Raises:
             ValueError: ``len(trajectories)`` is not a multiple of ``group_size``.

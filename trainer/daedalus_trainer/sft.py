@@ -393,8 +393,12 @@ def run_sft(
     def spent() -> float:
         return max(state.step / max(1, max_steps), state.seconds / max_seconds if max_seconds > 0 else 0.0)
 
-    bar = tqdm(total=max_steps, initial=state.step, desc="sft", disable=not progress, dynamic_ncols=True,
-               file=sys.stderr)
+    # With a time budget the bar counts training seconds (the budget that usually ends the run, so its estimate of
+    # the time left holds); otherwise steps.
+    by_time = max_seconds > 0
+    bar = tqdm(total=round(max_seconds) if by_time else max_steps,
+               initial=round(state.seconds) if by_time else state.step, unit="s" if by_time else "step", desc="sft",
+               disable=not progress, dynamic_ncols=True, file=sys.stderr)
     last_ckpt = state.seconds
     marks = sorted(float(m) for m in snapshot_seconds if m > state.seconds)
     window_loss, window_tokens, window_time = [], 0, 0.0
@@ -425,9 +429,13 @@ def run_sft(
             window_loss.append(loss.detach().item())
             window_tokens += n_tok
             window_time += dt
-            bar.update(1)
-            bar.set_postfix(loss=f"{window_loss[-1]:.3f}", tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}",
-                            s=f"{state.seconds:.0f}")
+            if by_time:
+                bar.n = min(round(state.seconds), bar.total)
+                bar.refresh()
+            else:
+                bar.update(1)
+            bar.set_postfix(step=state.step, loss=f"{window_loss[-1]:.3f}",
+                            tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}")
             if state.step % log_every == 0 or not budget_left():
                 t1 = time.perf_counter()
                 acc = step_accuracy(policy, heldout)
@@ -437,8 +445,8 @@ def run_sft(
                     "loss": float(np.mean(window_loss)),
                     "tokens_per_second": round(window_tokens / max(window_time, 1e-9), 1), "step_accuracy": acc,
                 })
-                bar.set_postfix(loss=f"{np.mean(window_loss):.3f}", acc=f"{acc:.2f}",
-                                tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}", s=f"{state.seconds:.0f}")
+                bar.set_postfix(step=state.step, loss=f"{np.mean(window_loss):.3f}", acc=f"{acc:.2f}",
+                                tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}")
                 window_loss, window_tokens, window_time = [], 0, 0.0
             if spec.sft.eval_every and state.step % spec.sft.eval_every == 0 and budget_left():
                 t1 = time.perf_counter()
