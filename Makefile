@@ -14,10 +14,14 @@ export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 export DAEDALUS_CACHE ?= $(HOME)/.cache/daedalus
 
-.PHONY: run test test-fast bench setup setup-test system-deps crds lint clean help
+.PHONY: run test test-fast bench setup system-deps crds clean help
 
 help:
 	@sed -n '2,4p' Makefile
+	@echo "#   make test-fast - the tests without the slow and cluster ones"
+	@echo "#   make setup     - only build .venv (CPU torch + the project with its extras)"
+	@echo "#   make crds      - regenerate crds/ and the chart's CRD from the pydantic API"
+	@echo "#   make clean     - remove .venv and runs/"
 
 # CPU torch first (the wheel on disk; never the CUDA build), then the project with its CPU extras.
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -33,7 +37,7 @@ run: $(STAMP)
 	$(VENV)/bin/daedalus run examples/local-tiny.yaml
 
 # System binaries used by the test tiers: Prometheus (Debian), helm (from a PyPI wheel), kube-apiserver + etcd
-# (built once from Debian's source package, cached under $(DAEDALUS_CACHE); see README "Test tiers").
+# (built once from Debian's source package, cached under $(DAEDALUS_CACHE); see README "Tests").
 system-deps:
 	@bash scripts/setup-system.sh
 

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve this namespace (repeatable; kopf globs allowed)")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve the whole cluster")
     ha = p.add_mutually_exclusive_group()
-    ha.add_argument("--standalone", action="store_true", help="no peering (the default)")
+    ha.add_argument("--standalone", action="store_true",
+                    help="no peering objects: one operator replica (also what happens without --peering)")
     ha.add_argument("--peering", metavar="NAME", help="kopf peering object name (KopfPeering/ClusterKopfPeering)")
     p.add_argument("--priority", type=int, default=0, help="peering priority (highest is active)")
     p.add_argument("--liveness", metavar="URL", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
@@ -68,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--operator-namespace", default=os.environ.get("POD_NAMESPACE", "daedalus-system"),
                    help="namespace of the operator's pods (NetworkPolicy source)")
     p.add_argument("--operator-pod-label", action="append", default=[], metavar="KEY=VALUE",
-                   help="label of the operator's pods (NetworkPolicy source; default app.kubernetes.io/name="
-                        "daedalus-operator)")
+                   help="label of the operator's pods (NetworkPolicy source; repeatable; without it "
+                        "app.kubernetes.io/name=daedalus, as the chart labels them)")
     p.add_argument("--metrics-namespace", action="append", default=[], metavar="NS",
                    help="namespace allowed to scrape the trainer's port (e.g. monitoring; repeatable)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster or $KUBECONFIG)")

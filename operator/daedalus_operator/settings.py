@@ -39,7 +39,8 @@ class OperatorSettings:
 
     operator_namespace: str = dataclasses.field(
         default_factory=lambda: os.environ.get("POD_NAMESPACE", "daedalus-system"))
-    operator_pod_labels: tuple[tuple[str, str], ...] = (("app.kubernetes.io/name", "daedalus-operator"),)
+    # as the chart labels the operator's pods (``daedalus.name``)
+    operator_pod_labels: tuple[tuple[str, str], ...] = (("app.kubernetes.io/name", "daedalus"),)
     metrics_namespaces: tuple[str, ...] = ()
     control_port: int = api.CONTROL_PORT
     config_dir: str = api.CONFIG_DIR

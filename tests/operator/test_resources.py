@@ -236,7 +236,7 @@ def test_network_policy_admits_only_the_operator_to_dashboard_and_control() -> N
     own, op, prom = spec["ingress"]
     assert own == {"from": [{"podSelector": {"matchLabels": {api.JOB_LABEL: "local-tiny"}}}]}
     assert op["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
-                           "podSelector": {"matchLabels": {"app.kubernetes.io/name": "daedalus-operator"}}}]
+                           "podSelector": {"matchLabels": {"app.kubernetes.io/name": "daedalus"}}}]
     assert sorted(p["port"] for p in op["ports"]) == [8265, 9400]
     assert [p["port"] for p in prom["ports"]] == [9400]
     kubernetes_validate.validate(np, K8S_VERSION, strict=True)
