@@ -234,3 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         raise
+
+
+if __name__ == "__main__":  # `python -m daedalus_trainer.cli` works like `python -m daedalus_trainer`
+    sys.exit(main())
