@@ -47,7 +47,8 @@ def test_running_conditions_and_figures(status_schema: dict) -> None:
     assert cond(st, "Stalled")["status"] == "False"
     assert all(c["observedGeneration"] == 1 and c["lastTransitionTime"] == format_time(NOW) for c in st["conditions"])
     assert st["observedGeneration"] == 1
-    assert (st["currentStep"], st["totalSteps"]) == (13, 40)
+    # totalSteps is the spec's algorithm.steps (the example job's)
+    assert (st["currentStep"], st["totalSteps"]) == (13, j.spec.algorithm.steps)
     assert st["metrics"]["successRate"] == 0.75 and st["metrics"]["rewardMean"] == 0.5
     assert st["latestCheckpoint"]["step"] == 10
     assert st["dashboardUrl"] == "http://10.0.0.5:8265"
