@@ -30,7 +30,6 @@ What it adds to the session's `ControlPlane` (``controlplane.py``, ``conftest.py
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import json
@@ -55,7 +54,9 @@ for _extra in (REPO / "tests" / "support", REPO / "tests" / "charts"):
 
 from controlplane import ControlPlane, crd_for_1_20  # noqa: E402
 from fake_kuberay import FakeKubeRay, wait_for  # noqa: E402
+from jobs import set_spec_fields  # noqa: E402
 from kmock_api import ApiError, KubeClient  # noqa: E402
+from operator_env import stop_operator_thread  # noqa: E402
 from kuberay import KUBERAY_CRDS  # noqa: E402
 from ray_head import free_port  # noqa: E402
 
@@ -438,12 +439,7 @@ class ChartOperator:
         Raises:
             RuntimeError: the thread did not stop within ``timeout`` seconds.
         """
-        if self._stop is not None:
-            self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise RuntimeError("the operator did not stop")
+        stop_operator_thread(self._stop, self._thread, timeout)
         self._thread = None
 
     @property
@@ -463,12 +459,7 @@ def example(file: str, namespace: str, name: str | None = None, **spec_overrides
     doc["metadata"]["namespace"] = namespace
     if name:
         doc["metadata"]["name"] = name
-    for dotted, value in spec_overrides.items():
-        node = doc["spec"]
-        *parents, leaf = dotted.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = copy.deepcopy(value)
+    set_spec_fields(doc["spec"], **spec_overrides)
     return doc
 
 

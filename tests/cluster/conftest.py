@@ -16,6 +16,8 @@ import pytest
 import yaml
 from controlplane import ControlPlane, ControlPlaneUnavailable, crd_for_1_20, find_binaries
 from kuberay import KUBERAY_CRDS
+from cluster_support import KubeREST, installed_chart  # also puts tests/charts on sys.path
+from chartlib import find_helm
 
 _HERE = Path(__file__).resolve().parent
 _started: list[ControlPlane] = []
@@ -95,3 +97,20 @@ def namespace(kube_api):
     client.CoreV1Api(kube_api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     yield name
     client.CoreV1Api(kube_api).delete_namespace(name)
+
+
+# The chart installed with helm (its ServiceAccount is what the operator runs as) and an admin client: shared by the
+# chart and operator tests of this tier, one install per test module.
+@pytest.fixture(scope="module")
+def helm_binary() -> str:
+    return find_helm()
+
+
+@pytest.fixture(scope="module")
+def release(helm_binary, control_plane):
+    return installed_chart(helm_binary, control_plane)
+
+
+@pytest.fixture(scope="module")
+def admin(control_plane) -> KubeREST:
+    return KubeREST(control_plane.kubeconfig)

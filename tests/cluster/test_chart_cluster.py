@@ -19,14 +19,11 @@ from cluster_support import (
     RELEASE_NAMESPACE,
     ChartOperator,
     Jobs,
-    KubeREST,
     chart_for_1_20,
     example,
     helm,
     helm_install,
-    installed_chart,
 )
-from chartlib import find_helm  # on sys.path through cluster_support
 from daedalus_trainer.config import RLTrainingJobStatus, parse_job
 from kubernetes import client
 
@@ -82,21 +79,6 @@ NOT_GRANTED = [
     ("create", "rbac.authorization.k8s.io", "clusterrolebindings", ""),
     ("patch", "ray.io", "rayclusters", "status"),
 ]
-
-
-@pytest.fixture(scope="module")
-def helm_binary() -> str:
-    return find_helm()
-
-
-@pytest.fixture(scope="module")
-def release(helm_binary, control_plane):
-    return installed_chart(helm_binary, control_plane)
-
-
-@pytest.fixture(scope="module")
-def admin(control_plane) -> KubeREST:
-    return KubeREST(control_plane.kubeconfig)
 
 
 def may(api_client, verb: str, group: str, resource: str, subresource: str, namespace: str) -> bool:

@@ -35,14 +35,12 @@ from cluster_support import (
     find_kubectl,
     free_port,
     gc_discovery_wait,
-    installed_chart,
     kubectl,
     missing_paths,
     status_writes,
     steady_status,
     wait_for,
 )
-from chartlib import find_helm  # on sys.path through cluster_support
 from daedalus_trainer.config import RLTrainingJobStatus
 from pydantic import BaseModel
 
@@ -58,21 +56,6 @@ HYPERPOD = "hyperpod-qwen3vl-8b.yaml"
 CHILDREN = [("v1/configmaps", api.config_map_name), ("v1/secrets", api.secret_name),
             ("networking.k8s.io/v1/networkpolicies", api.network_policy_name),
             ("ray.io/v1/rayclusters", api.raycluster_name)]
-
-
-@pytest.fixture(scope="module")
-def helm_binary() -> str:
-    return find_helm()
-
-
-@pytest.fixture(scope="module")
-def release(helm_binary, control_plane):
-    return installed_chart(helm_binary, control_plane)
-
-
-@pytest.fixture(scope="module")
-def admin(control_plane) -> KubeREST:
-    return KubeREST(control_plane.kubeconfig)
 
 
 @pytest.fixture

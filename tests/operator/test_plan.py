@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from daedalus_trainer.config import RLTrainingJobStatus, SpecError, parse_job
+from jobs import set_spec_fields
 
 from daedalus_operator import api, plan as p
 from daedalus_operator.api import Phase, Reason
@@ -42,12 +43,7 @@ def sid(attempt: int) -> str:
 def manifest(**spec_overrides: Any) -> dict:
     doc = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
     doc["metadata"]["namespace"] = "ml"
-    for dotted, value in spec_overrides.items():
-        node = doc["spec"]
-        *parents, leaf = dotted.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+    set_spec_fields(doc["spec"], **spec_overrides)
     return doc
 
 

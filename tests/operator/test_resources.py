@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from daedalus_trainer.config import RLTrainingJobStatus, parse_job
+from jobs import set_spec_fields
 from kuberay import KUBERAY_CRDS
 
 from daedalus_operator import api, resources as r
@@ -69,12 +70,7 @@ def view(example: str, name: str | None = None, **patch: Any) -> JobView:
     doc["metadata"].setdefault("namespace", "default")
     if name:
         doc["metadata"]["name"] = name
-    for dotted, value in patch.items():
-        node = doc["spec"]
-        *parents, leaf = dotted.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+    set_spec_fields(doc["spec"], **patch)
     job = parse_job(doc)
     return JobView(name=job.metadata.name, namespace=job.metadata.namespace, uid="6a1b2c3d-0000-4000-8000-000000000001",
                    generation=3, spec=job.spec, status=RLTrainingJobStatus())

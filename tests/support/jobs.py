@@ -10,6 +10,18 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def set_spec_fields(spec: dict, **overrides) -> dict:
+    """Set fields of a job's ``spec`` in place: ``a__b=value`` sets ``spec["a"]["b"]`` (sections created as needed,
+    values deep-copied). Returns ``spec``."""
+    for dotted, value in overrides.items():
+        node = spec
+        *parents, leaf = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = copy.deepcopy(value)
+    return spec
+
+
 def tiny_job_dict(**spec_overrides) -> dict:
     """examples/local-tiny.yaml with small sizes for tests; ``spec_overrides`` maps section -> fields to update.
 

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import yaml
 from fake_kuberay import FakeKubeRay, wait_for
+from jobs import set_spec_fields
 from kmock_api import KubeClient, KubeServer
 from ray_head import RayHead, free_port
 
@@ -39,6 +40,20 @@ STANDIN_TRAINER = (f"env DAEDALUS_STANDIN_STEP_SECONDS={{step}} {sys.executable}
                    "--config {config} --resume latest")
 #: The real trainer (``daedalus train``): what the lead's end-to-end scenarios swap in.
 REAL_TRAINER = f"{sys.executable} -m daedalus_trainer train --config {{config}} --resume latest"
+
+
+def stop_operator_thread(stop_flag: Any, thread: threading.Thread | None, timeout: float) -> None:
+    """Set kopf's stop flag (if any) and join the operator thread (if any).
+
+    Raises:
+        RuntimeError: the thread did not stop within ``timeout`` seconds.
+    """
+    if stop_flag is not None:
+        stop_flag.set()
+    if thread is not None:
+        thread.join(timeout)
+        if thread.is_alive():
+            raise RuntimeError("the operator did not stop")
 
 
 class OperatorEnv:
@@ -125,12 +140,7 @@ class OperatorEnv:
             raise RuntimeError(f"the operator failed to start: {self.operator_error!r}")
 
     def stop_operator(self, timeout: float = 30.0) -> None:
-        if self._stop is not None:
-            self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise RuntimeError("the operator did not stop")
+        stop_operator_thread(self._stop, self._thread, timeout)
         self._thread = None
 
     def stop(self) -> None:
@@ -150,12 +160,7 @@ class OperatorEnv:
         spec = doc["spec"]
         spec["checkpoint"]["path"] = str(self.checkpoints)
         spec["resilience"]["restartBackoffSeconds"] = 1
-        for dotted, value in spec_overrides.items():
-            node = spec
-            *parents, leaf = dotted.split("__")
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = value
+        set_spec_fields(spec, **spec_overrides)
         return doc
 
     def apply(self, manifest: dict) -> dict:

@@ -30,6 +30,21 @@ import urllib.request
 from pathlib import Path
 
 
+def distinct_free_ports(n: int) -> list[int]:
+    """``n`` different TCP ports free on 127.0.0.1 right now: each stays bound until all are chosen, so two calls of
+    :func:`free_port` cannot hand out the same port (Ray refuses a head whose components share one)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port(lo: int | None = None, hi: int | None = None) -> int:
     """A TCP port free on 127.0.0.1 right now (any, or within [lo, hi])."""
     for _ in range(200):
@@ -95,9 +110,10 @@ def start_ray_head(num_cpus: int = 2, timeout: float = 120.0, env: dict[str, str
     ray = venv_bin / "ray"
     temp_dir = Path(tempfile.mkdtemp(prefix="dray-", dir="/tmp"))
     gcs = free_port(20000, 29999)
-    dash = free_port()
-    ports = {name: free_port() for name in ("client", "agent_http", "agent_grpc", "runtime_env", "metrics",
-                                             "node_manager", "object_manager")}
+    names = ("dashboard", "client", "agent_http", "agent_grpc", "runtime_env", "metrics", "node_manager",
+             "object_manager")
+    ports = dict(zip(names, distinct_free_ports(len(names))))
+    dash = ports["dashboard"]
     worker_lo = free_port(30000, 30999) // 10 * 10
     cmd = [
         str(ray), "start", "--head", "--block", "--disable-usage-stats",
