@@ -9,6 +9,7 @@ fails instead.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -89,12 +90,14 @@ def kube_api(control_plane):
 
 
 @pytest.fixture
-def namespace(kube_api):
-    """A fresh namespace ``t-<8 hex>`` for one test; deleted afterwards (the namespace controller empties it)."""
+def namespace(control_plane, kube_api):
+    """A fresh namespace ``t-<8 hex>`` for one test, with its default ServiceAccount token minted (pods are refused
+    until then); deleted afterwards (the namespace controller empties it)."""
     from kubernetes import client
 
     name = f"t-{uuid.uuid4().hex[:8]}"
     client.CoreV1Api(kube_api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    control_plane.wait_default_service_account(name, time.monotonic() + 30)
     yield name
     client.CoreV1Api(kube_api).delete_namespace(name)
 

@@ -341,7 +341,7 @@ class ControlPlane:
                 {"client-certificate": str(pki.controller_manager.cert), "client-key": str(pki.controller_manager.key)},
             )
             self._start_controller_manager(pki, kcm_config)
-            self._wait_default_service_account(deadline)
+            self.wait_default_service_account("default", deadline)
             phase("kube-controller-manager")
         except BaseException:
             self.stop()
@@ -559,8 +559,19 @@ class ControlPlane:
             ],
         )
 
-    def _wait_default_service_account(self, deadline: float) -> None:
-        """Ready when the serviceaccount controller made ``default/default`` and the token controller its Secret."""
+    def wait_default_service_account(self, namespace: str, deadline: float) -> None:
+        """Wait until the serviceaccount controller made ``<namespace>/default`` and the token controller its Secret.
+
+        Pods (and their server-side dry runs) in a namespace are refused with "500: No API token found for service
+        account default" until then: a fresh namespace is usable a few hundred milliseconds after it is created.
+
+        Args:
+            namespace: the namespace to wait for.
+            deadline: ``time.monotonic()`` value after which to give up.
+
+        Raises:
+            ControlPlaneError: the deadline passed (with the controller manager's log tail).
+        """
         from kubernetes import client
 
         with self.api_client() as api:
@@ -568,7 +579,7 @@ class ControlPlane:
             while time.monotonic() < deadline:
                 self._check_alive("kube-controller-manager")
                 try:
-                    account = core.read_namespaced_service_account("default", "default")
+                    account = core.read_namespaced_service_account("default", namespace)
                     if account.secrets:
                         return
                 except client.ApiException as err:
@@ -576,7 +587,7 @@ class ControlPlane:
                         raise
                 time.sleep(0.2)
         raise ControlPlaneError(
-            "kube-controller-manager did not create the default ServiceAccount and its token in time:\n"
+            f"kube-controller-manager did not create {namespace}/default and its token in time:\n"
             + self.log_tail("kube-controller-manager")
         )
 
