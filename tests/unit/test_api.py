@@ -130,6 +130,9 @@ INVALID = [
     ("spec.algorithm.groupSize", 1, "spec.algorithm.groupSize", "greater than or equal to 2", "schema"),
     ("spec.environment.actionFormat", "json", "spec.environment.actionFormat", "'function'", "schema"),
     ("spec.model.tiny", False, "spec.cluster.workerGroups", "gpusPerWorker", "cel"),
+    # A quoted number is a string to the API server: integer fields are strict (pydantic would coerce "11").
+    ("spec.environment.size", "11", "spec.environment.size", "valid integer", "schema"),
+    ("spec.algorithm.steps", 30.5, "spec.algorithm.steps", "valid integer", "schema"),
 ]
 
 

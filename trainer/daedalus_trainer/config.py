@@ -76,7 +76,7 @@ class ModelSpec(_Model):
 class LoraSpec(_Model):
     """LoRA adapter trained by GRPO (Hu et al. 2021, arXiv:2106.09685)."""
 
-    rank: int = Field(16, ge=1, le=512)
+    rank: int = Field(16, ge=1, le=512, strict=True)
     """LoRA rank r."""
     alpha: float = Field(32.0, gt=0)
     """LoRA scaling numerator; the update is scaled by alpha / rank."""
@@ -109,9 +109,9 @@ class LossAggregation(str, enum.Enum):
 class AlgorithmSpec(_Model):
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300) on multi-turn episodes."""
 
-    group_size: int = Field(8, ge=2, le=256)
+    group_size: int = Field(8, ge=2, le=256, strict=True)
     """Episodes per maze (G). Advantages are computed within each group of episodes on the same maze."""
-    mazes_per_step: int = Field(8, ge=1, le=4096)
+    mazes_per_step: int = Field(8, ge=1, le=4096, strict=True)
     """Mazes sampled per optimizer step; a step trains on mazesPerStep x groupSize episodes."""
     learning_rate: float = Field(1e-5, gt=0, le=1.0)
     """AdamW learning rate for the LoRA parameters."""
@@ -130,21 +130,21 @@ class AlgorithmSpec(_Model):
     """Sampling temperature of rollouts."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling threshold of rollouts."""
-    max_tokens_per_turn: int = Field(24, ge=1, le=8192)
+    max_tokens_per_turn: int = Field(24, ge=1, le=8192, strict=True)
     """Maximum generated tokens per turn; a turn cut off there is parsed as it stands."""
     loss_aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
     """`token-mean` (DAPO), `seq-mean-token-sum` (Dr. GRPO) or `seq-mean-token-mean` (original GRPO)."""
     advantage_norm: Literal["group-std", "none"] = "group-std"
     """`group-std`: (r - mean) / (std + eps) within each group (GRPO); `none`: r - mean (Dr. GRPO)."""
-    iterations_per_step: int = Field(1, ge=1, le=64)
+    iterations_per_step: int = Field(1, ge=1, le=64, strict=True)
     """Policy updates per batch of rollouts (mu of DeepSeekMath's Algorithm 1; TRL's `num_iterations`). Above 1 the
     later updates are off-policy and the clipped ratio bounds how far each moves; rollouts cost most of a step, so
     reusing them is cheap."""
-    steps: int = Field(100, ge=1, le=10_000_000)
+    steps: int = Field(100, ge=1, le=10_000_000, strict=True)
     """Number of GRPO steps (batches of rollouts; each makes `iterationsPerStep` optimizer updates)."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, strict=True)
     """Seed of maze sampling, rollouts and initialisation; a resumed run continues the same streams."""
-    eval_interval_steps: int = Field(0, ge=0)
+    eval_interval_steps: int = Field(0, ge=0, strict=True)
     """Greedy evaluation on the held-out mazes every N steps (metric `daedalus_eval_success_ratio`); 0: only after
     the last step."""
 
@@ -154,24 +154,24 @@ class EnvironmentSpec(_Model):
 
     name: Literal["maze2d"] = "maze2d"
     """Environment name."""
-    size: int = Field(9, ge=5, le=63)
+    size: int = Field(9, ge=5, le=63, strict=True)
     """Grid side in cells, outer walls included; must be odd (7 and 9 are easy, 11 hard)."""
-    max_turns: int = Field(0, ge=0, le=10_000)
+    max_turns: int = Field(0, ge=0, le=10_000, strict=True)
     """Turn limit of an episode; 0 means twice the optimal number of actions of each maze."""
     observation: Literal["image", "ascii", "image+ascii"] = "image"
     """What the model sees each turn."""
-    history_turns: int = Field(1, ge=1, le=64)
+    history_turns: int = Field(1, ge=1, le=64, strict=True)
     """How many recent turns (image + feedback) stay in the model's context, the current one included."""
     action_format: Literal["function", "tuple", "tag"] = "function"
     """Action syntax: `move("up")`, `('move', 1)` (VisGym numbering: 0 right, 1 up, 2 left, 3 down) or
     `<action>up</action>`; `stop` in the same style."""
     success_on: Literal["stop-on-goal", "arrival"] = "stop-on-goal"
     """`stop-on-goal`: success only when the agent says stop on the goal (VisGym); `arrival`: on entering it."""
-    cell_pixels: int = Field(25, ge=4, le=128)
+    cell_pixels: int = Field(25, ge=4, le=128, strict=True)
     """Rendered cell size in pixels (VisGym uses 25; the tiny model learns with 16: one ViT patch per cell)."""
-    eval_mazes: int = Field(64, ge=1, le=100_000)
+    eval_mazes: int = Field(64, ge=1, le=100_000, strict=True)
     """Size of the held-out evaluation set; its layouts are excluded from every training sampler."""
-    eval_seed: int = Field(1234, ge=0)
+    eval_seed: int = Field(1234, ge=0, strict=True)
     """Seed of the held-out evaluation set."""
 
     @field_validator("size")
@@ -186,17 +186,17 @@ class SFTSpec(_Model):
     """Supervised fine-tuning on solver demonstrations, run by `daedalus sft` or by `daedalus run` when
     `model.sftAdapter` is absent and the model is tiny."""
 
-    steps: int = Field(3000, ge=0, le=10_000_000)
+    steps: int = Field(3000, ge=0, le=10_000_000, strict=True)
     """Maximum optimizer steps."""
     max_seconds: float = Field(330.0, ge=0)
     """Wall-clock budget in seconds (the run stops at whichever of steps / maxSeconds comes first; 0 = no limit)."""
-    batch_size: int = Field(32, ge=1, le=4096)
+    batch_size: int = Field(32, ge=1, le=4096, strict=True)
     """Demonstration turns per optimizer step."""
     learning_rate: float = Field(1e-3, gt=0, le=1.0)
     """AdamW learning rate (full fine-tune of the tiny model; LoRA for real models)."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, strict=True)
     """Seed of demonstration sampling."""
-    eval_every: int = Field(0, ge=0)
+    eval_every: int = Field(0, ge=0, strict=True)
     """Evaluate on the held-out set every N steps (0: only at the end)."""
 
 
@@ -207,9 +207,9 @@ class CheckpointSpec(_Model):
     """PersistentVolumeClaim mounted on every Ray pod at `path` (e.g. the FSx for Lustre claim)."""
     path: str = "/checkpoints"
     """Directory of checkpoints; the trainer writes under `<path>/<namespace>/<job name>/`."""
-    interval_steps: int = Field(10, ge=1)
+    interval_steps: int = Field(10, ge=1, strict=True)
     """Checkpoint every N GRPO steps (and on demand, e.g. before a HyperPod node replacement)."""
-    keep: int = Field(3, ge=1, le=1000)
+    keep: int = Field(3, ge=1, le=1000, strict=True)
     """How many recent checkpoints to keep."""
 
 
@@ -224,7 +224,7 @@ class Toleration(_Model):
     """Taint value."""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     """Taint effect."""
-    toleration_seconds: int | None = None
+    toleration_seconds: int | None = Field(None, strict=True)
     """For NoExecute: how long the pod stays bound after the taint appears."""
 
 
@@ -242,9 +242,9 @@ class WorkerGroupSpec(_Model):
 
     name: str = Field("gpu", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=40)
     """Worker group name (DNS label)."""
-    replicas: int = Field(1, ge=0, le=1000)
+    replicas: int = Field(1, ge=0, le=1000, strict=True)
     """Number of worker pods."""
-    gpus_per_worker: int = Field(8, ge=0, le=16)
+    gpus_per_worker: int = Field(8, ge=0, le=16, strict=True)
     """`nvidia.com/gpu` per worker pod."""
     cpu: str = "32"
     """CPU request and limit per worker pod."""
@@ -258,7 +258,7 @@ class WorkerGroupSpec(_Model):
     """Extra node selector labels."""
     tolerations: list[Toleration] = Field(default_factory=list)
     """Pod tolerations."""
-    efa: int = Field(0, ge=0, le=32)
+    efa: int = Field(0, ge=0, le=32, strict=True)
     """`vpc.amazonaws.com/efa` devices per worker pod (0 = no EFA)."""
 
 
@@ -280,17 +280,17 @@ class ClusterSpec(_Model):
 class ResilienceSpec(_Model):
     """How the operator keeps the job alive."""
 
-    max_restarts: int = Field(10, ge=0, le=1000)
+    max_restarts: int = Field(10, ge=0, le=1000, strict=True)
     """Resubmissions allowed before the job is Failed (infrastructure and application failures together)."""
-    restart_backoff_seconds: int = Field(15, ge=0, le=3600)
+    restart_backoff_seconds: int = Field(15, ge=0, le=3600, strict=True)
     """Base of the exponential backoff between restarts (doubles per consecutive failure, capped at 10 minutes)."""
     hyper_pod: bool = True
     """Watch the SageMaker HyperPod node-health label and keep pods on `Schedulable` nodes."""
     checkpoint_on_node_warning: bool = True
     """When HyperPod marks a node for replacement or reboot, checkpoint before stopping (zero lost steps)."""
-    checkpoint_timeout_seconds: int = Field(300, ge=1, le=86_400)
+    checkpoint_timeout_seconds: int = Field(300, ge=1, le=86_400, strict=True)
     """How long to wait for a requested checkpoint before stopping anyway."""
-    progress_deadline_seconds: int = Field(1800, ge=30, le=604_800)
+    progress_deadline_seconds: int = Field(1800, ge=30, le=604_800, strict=True)
     """No step advance for this long while Running counts as hung: checkpoint if possible, restart."""
 
 
@@ -299,11 +299,11 @@ class ServingSpec(_Model):
 
     enabled: bool = False
     """Create a serving deployment for the adapter when the job succeeds."""
-    replicas: int = Field(1, ge=1, le=100)
+    replicas: int = Field(1, ge=1, le=100, strict=True)
     """Serving replicas."""
     image: str | None = None
     """Serving image (defaults to the cluster image)."""
-    gpus_per_replica: int = Field(1, ge=0, le=16)
+    gpus_per_replica: int = Field(1, ge=0, le=16, strict=True)
     """GPUs per serving replica."""
 
 
