@@ -3,7 +3,8 @@
 :class:`RayJobs` - ``submit`` / ``status`` / ``stop`` / ``logs`` for one head (``http://<head>:8265``):
 
 - ``submit`` uses the submission id decided by the planner; an id the head already knows means *already submitted*
-  (Ray answers HTTP 500 "already exists" for a duplicate, ENGINEERING-NOTES) and is never retried under a new id.
+  (Ray answers HTTP 500 "already exists" for a duplicate; docs/engineering-notes.md, "Ray job submission") and is
+  never retried under a new id.
 - every HTTP call has a timeout (Ray's client has none: a hung dashboard would block a handler forever), by overriding
   the client's request hook.
 - ``status`` maps Ray's ``JobStatus`` onto :class:`~daedalus_operator.plan.RayJobState`, with ``NOT_FOUND`` for an

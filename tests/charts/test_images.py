@@ -21,7 +21,7 @@ dockerfile_parse = pytest.importorskip("dockerfile_parse")
 from packaging.requirements import Requirement  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
-# vLLM 0.33.0's wheel metadata: torch==2.14.0, transformers>=5.16.1,<5.21.0 (shared/ENGINEERING-NOTES.md, "vLLM").
+# vLLM 0.33.0's wheel metadata: torch==2.14.0, transformers>=5.16.1,<5.21.0 (docs/engineering-notes.md, "vLLM 0.33.0 wheel pins").
 VLLM_TORCH = "2.14.0"
 VLLM_TRANSFORMERS = ">=5.16.1,<5.21"
 

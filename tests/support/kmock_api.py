@@ -2,7 +2,7 @@
 on, served over real HTTP from its own thread.
 
 kmock 0.8 (by kopf's author) serves discovery, errors and a request log over a real aiohttp server, but its emulator
-lacks what a controller depends on (ENGINEERING-NOTES "Kubernetes API for tests"). :class:`HonestKubernetes` is a
+lacks what a controller depends on (docs/engineering-notes.md, "Kubernetes API for tests"). :class:`HonestKubernetes` is a
 :class:`kmock.KubernetesScaffold` that keeps objects itself and fills those gaps:
 
 - ``metadata.uid``, ``creationTimestamp``, ``namespace`` written into the object, ``generateName``;

@@ -1,6 +1,6 @@
 """A real local Ray head for a test session: ``ray start --head --block`` in its own process group.
 
-Why these choices (ENGINEERING-NOTES, "Ray job submission against a real local head"):
+Why these choices (docs/engineering-notes.md, "A real local Ray head for tests"):
 
 - every port is picked free (several engineers share the machine): GCS outside Ray's default worker port range
   10002-19999 (``ray start`` refuses it otherwise), dashboard, dashboard agent, runtime-env agent, client server,

@@ -95,7 +95,7 @@ def _load(path: str):
 
 def _single_threaded_torch() -> None:
     """One torch thread unless OMP_NUM_THREADS says otherwise: 2 threads were 10-70x slower here when another process
-    was busy (ENGINEERING-NOTES)."""
+    was busy (docs/engineering-notes.md, "Torch threads on a shared CPU")."""
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -468,8 +468,8 @@ def run_dir_for(job) -> Path:
 def init_ray(local: bool) -> None:
     """Attach to the running Ray cluster (inside a Ray job, ``RAY_ADDRESS`` is set) or start a small local one.
 
-    Locally: ``num_cpus=2`` and no dashboard (~0.7 GB, ~4 s to start; ENGINEERING-NOTES), actors take fractional CPUs
-    so a default task can still be scheduled.
+    Locally: ``num_cpus=2`` and no dashboard (~0.7 GB, ~4 s to start; docs/engineering-notes.md, "Local Ray"), actors
+    take fractional CPUs so a default task can still be scheduled.
     """
     import ray
 

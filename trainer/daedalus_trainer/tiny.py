@@ -6,7 +6,7 @@ directory that looks exactly like a real Hugging Face Qwen3-VL checkpoint (``con
 stage loads it with the same ``AutoModelForImageTextToText`` / ``AutoProcessor`` calls as the real model
 (:func:`daedalus_trainer.policy.load_policy`).
 
-Measured traps this module encodes (ENGINEERING-NOTES, "Tiny Qwen3-VL"):
+Measured traps this module encodes (docs/engineering-notes.md, "Tiny Qwen3-VL"):
 
 - the special-token ids in :class:`~transformers.Qwen3VLConfig` default to the real vocabulary's ids, so they are set
   to the tiny tokenizer's ids;

@@ -4,7 +4,7 @@ Imports vLLM only when an engine is constructed, so this module imports on machi
 exercised only where vLLM and a GPU exist; the CPU path uses :class:`~daedalus_trainer.rollout.engine.
 TransformersEngine` behind the same :class:`~daedalus_trainer.rollout.engine.RolloutEngine` interface.
 
-Design (ENGINEERING-NOTES, "vLLM"):
+Design (docs/engineering-notes.md, "vLLM rollout design"):
 
 - New weights arrive as LoRA adapters: each :meth:`VLLMEngine.load_adapter` registers a new ``LoRARequest`` id
   (``enable_lora``), so no in-place weight reload and no encoder-cache reset is needed. vLLM ignores LoRA on
