@@ -225,8 +225,9 @@ class Learner:
             if use_kl:
                 with torch.no_grad():
                     ref = self.policy.reference_logprobs(batch, algo.temperature)
-            prepared.append((batch, old, torch.tensor(row_adv), torch.tensor(row_ep, dtype=torch.long), ref,
-                             len(seqs)))
+            device = self.policy.device
+            prepared.append((batch, old.to(device), torch.tensor(row_adv, device=device),
+                             torch.tensor(row_ep, dtype=torch.long, device=device), ref, len(seqs)))
 
         iterations = int(algo.iterations_per_step)
         kl_sum = clip_sum = loss_sum = norm_sum = 0.0
@@ -238,8 +239,7 @@ class Learner:
                 logprobs = self.policy.response_logprobs(batch, algo.temperature)  # [B, T]
                 chunk_tokens = int(batch.assistant_mask.sum())
                 loss, st = grpo_loss(
-                    logprobs, old.to(logprobs.device, logprobs.dtype), row_adv.to(logprobs.device),
-                    batch.assistant_mask, row_ep.to(logprobs.device),
+                    logprobs, old, row_adv, batch.assistant_mask, row_ep,
                     clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
                     ref_logprobs=ref, kl_coef=algo.kl_coef, aggregation=algo.loss_aggregation.value, num_episodes=n,
                 )
