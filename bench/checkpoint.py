@@ -1,7 +1,7 @@
 """Checkpoint save/restore throughput at the real size of a rank-32 LoRA on Qwen3-VL-8B, against ``dd`` on the same disk.
 
-Run: ``.venv/bin/python bench/checkpoint.py [--dir DIR] [--repeats 5]`` (about 2 minutes on 2 cores; needs ~4 GB of
-free disk under ``--dir`` and ~3 GB of memory).
+Run: ``.venv/bin/python bench/checkpoint.py [--dir DIR] [--repeats 5]`` (about 3 minutes on 2 cores; needs ~4 GB of
+free disk under ``--dir`` and ~6 GB of memory: the async part starts a local Ray whose actor holds a second copy).
 
 What is written: exactly what :meth:`daedalus_trainer.checkpoint.CheckpointManager.save` writes for the trainer's
 learner, with random values (standard normal; second moments uniform in [0, 1)):
@@ -34,20 +34,31 @@ Anchors, measured in the same run on the same directory, interleaved with ours (
   script says whether dropping worked). Our restore is measured after the same drop: ``CheckpointManager.load_latest``
   (which reads every byte once for the sha256 manifest check) + ``load_adapter_tensors`` + ``load_optimizer_state``.
 
-Stall: ``save`` blocks the training loop (:class:`daedalus_trainer.grpo.Trainer` checkpoints synchronously between
-steps), so stall per checkpoint = save seconds / step seconds. The step time is from the 8B GPU regime: 30 s, the
-upper end of "approximately 25~30s per step" for GRPO on Qwen2.5-VL with 7 generations on 8xA100-80G (VLM-R1,
-https://github.com/om-ai-lab/VLM-R1/issues/30), a short (pessimistic) step; the ratio against ~290 s/step (Qwen3.5-9B
-multimodal GRPO on Geo3K, 8xH800, https://github.com/verl-project/verl/issues/7203) is printed too. On a GPU the
-learner also copies the state to host memory first (not measured here: CPU tensors).
+Stall, two figures. The step time is from the 8B GPU regime: 30 s, the upper end of "approximately 25~30s per step"
+for GRPO on Qwen2.5-VL with 7 generations on 8xA100-80G (VLM-R1, https://github.com/om-ai-lab/VLM-R1/issues/30), a
+short (pessimistic) step; the ratio against ~290 s/step (Qwen3.5-9B multimodal GRPO on Geo3K, 8xH800,
+https://github.com/verl-project/verl/issues/7203) is printed too.
 
-Last lines: ``checkpoint_stall``, ``checkpoint_restore`` and, final, ``checkpoint_save: <MB/s> MB/s (dd conv=fsync:
-<MB/s> MB/s, <ratio>x)``.
+- synchronous (``checkpoint_stall``): ``CheckpointManager.save`` seconds / step seconds, what a loop that saved in
+  line would stall; it still describes the write itself.
+- async (``checkpoint_stall_async``): what :meth:`daedalus_trainer.grpo.Trainer.train` does now. Its nested ``save``
+  runs ``ray.get(learner.checkpoint_state.remote())`` (copies of the adapter, its config and the optimizer
+  ``state_dict`` through Ray's object store), builds the ``TrainerState`` and submits ``CheckpointManager.save`` to a
+  ``ThreadPoolExecutor(max_workers=1)``; the loop goes on while the file is written. :func:`async_stall` does the
+  same on a local Ray started by the trainer's ``init_ray``, with a :class:`daedalus_trainer.actors.Learner`
+  subclass (its real ``checkpoint_state``) holding this state. Loop stall = (copy + submit) / step seconds; the
+  background write must finish within ``intervalSteps`` x step seconds, or the next save waits in ``settle()``.
+  Not measured: the device -> host copy of a GPU learner's state, the network when the learner's node is not the
+  driver's, and the writer thread's contention with the next step (the benchmark waits for each write idle).
+
+Last lines: ``checkpoint_stall``, ``checkpoint_restore``, ``checkpoint_stall_async: <%> % of a step (state copy <s> s,
+background write <s> s)`` and, final, ``checkpoint_save: <MB/s> MB/s (dd conv=fsync: <MB/s> MB/s, <ratio>x)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -56,6 +67,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
@@ -87,11 +99,12 @@ def lora_key(layer: int, target: str, which: str) -> str:
     return f"base_model.model.model.language_model.layers.{layer}.{block}.{target}.{which}.weight"
 
 
-def build_state(rank: int, seed: int = 0):
-    """Random adapter tensors (PEFT names, fp32), adapter config, and an AdamW ``state_dict`` over them.
+def build_optimizer(rank: int, seed: int = 0):
+    """Random adapter tensors (PEFT names, fp32), adapter config, and a live AdamW over them (state filled in).
 
     Returns:
-        ``(tensors: dict[str, Tensor], config: dict, optimizer_state: dict, n_params: int)``.
+        ``(tensors: dict[str, Tensor], config: dict, optimizer: torch.optim.AdamW, n_params: int)``; the optimizer's
+        parameters share storage with ``tensors``.
     """
     from peft import LoraConfig
 
@@ -115,6 +128,16 @@ def build_state(rank: int, seed: int = 0):
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGETS),
                         base_model_name_or_path="Qwen/Qwen3-VL-8B-Instruct").to_dict()
     n_params = sum(t.numel() for t in tensors.values())
+    return tensors, config, optimizer, n_params
+
+
+def build_state(rank: int, seed: int = 0):
+    """:func:`build_optimizer`, with the optimizer replaced by its ``state_dict()``.
+
+    Returns:
+        ``(tensors: dict[str, Tensor], config: dict, optimizer_state: dict, n_params: int)``.
+    """
+    tensors, config, optimizer, n_params = build_optimizer(rank, seed)
     return tensors, config, optimizer.state_dict(), n_params
 
 
@@ -196,6 +219,99 @@ def save_components(tensors, optim_state, work: Path) -> dict[str, float]:
     return out
 
 
+def bench_learner_class():
+    """A :class:`daedalus_trainer.actors.Learner` whose policy is replaced by the benchmark's state.
+
+    ``checkpoint_state`` is the Learner's own method (inherited, not copied): ``(adapter_state(), adapter_config(),
+    optimizer.state_dict())``. ``adapter_state`` copies the tensors as ``Policy.adapter_state`` does
+    (``detach().to("cpu", copy=True)``); the optimizer is a live AdamW built by :func:`build_optimizer` (its
+    ``state_dict()`` references the live moments, as the learner's does). Built in a function so that importing
+    this script does not import the trainer's actors module.
+    """
+    from daedalus_trainer.actors import Learner
+
+    class BenchLearner(Learner):
+        def __init__(self, rank: int, seed: int = 0):
+            """No policy to load: the state is :func:`build_optimizer`'s (rank ``rank``, seeded)."""
+            torch.set_num_threads(1)
+            self._tensors, self._config, self.optimizer, self._n_params = build_optimizer(rank, seed)
+
+        def n_params(self) -> int:
+            """LoRA parameters held (also tells the caller that the constructor has finished)."""
+            return self._n_params
+
+        def adapter_state(self) -> dict[str, torch.Tensor]:
+            """Copies of the adapter tensors, as ``Policy.adapter_state``."""
+            return {k: v.detach().to("cpu", copy=True) for k, v in self._tensors.items()}
+
+        def adapter_config(self) -> dict:
+            """The PEFT config dict."""
+            return dict(self._config)
+
+    return BenchLearner
+
+
+def async_stall(rank: int, repeats: int, root: Path) -> list[dict[str, float]]:
+    """The training loop's stall per checkpoint with the trainer's background writer
+    (:meth:`daedalus_trainer.grpo.Trainer.train`, its nested ``save``/``write``).
+
+    On a local Ray started by the trainer's own ``init_ray(local=True)`` (2 CPUs here, no dashboard), a
+    :func:`bench_learner_class` actor (``num_cpus=0.5``, the trainer's CPU option) holds the state; per repeat, as
+    ``save`` does: (a) ``ray.get(learner.checkpoint_state.remote())`` in the driver, (b) a :class:`TrainerState` and
+    ``ThreadPoolExecutor(max_workers=1).submit`` of ``CheckpointManager.save(step, AdapterState(...), optim,
+    state)``. The write is then waited for (so ``settle()`` would not wait at the next save) and its seconds in the
+    writer thread recorded. One warm-up repeat first, not returned.
+
+    Returns:
+        one dict per repeat: ``copy`` (a), ``submit`` (b), ``write`` (seconds of ``manager.save`` in the writer
+        thread), ``bytes`` (checkpoint size).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+
+    from daedalus_trainer.checkpoint import AdapterState, CheckpointManager
+    from daedalus_trainer.grpo import init_ray
+
+    t = time.perf_counter()
+    init_ray(local=True)
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="daedalus-checkpoint")
+    try:
+        learner = ray.remote(bench_learner_class()).options(num_cpus=0.5).remote(rank)
+        n = ray.get(learner.n_params.remote())
+        print(f"async: Ray started and learner actor holds {n:,} LoRA parameters + AdamW after "
+              f"{time.perf_counter() - t:.1f} s", flush=True)
+        manager = CheckpointManager(root, keep=2)
+
+        def write(step_now: int, adapter, config, optim, state) -> tuple[Any, float]:
+            t_w = time.perf_counter()
+            info = manager.save(step_now, AdapterState(adapter, config), optim, state)
+            return info, time.perf_counter() - t_w
+
+        rows: list[dict[str, float]] = []
+        for rep in range(repeats + 1):
+            step = 1000 + rep
+            t0 = time.perf_counter()
+            adapter, config, optim = ray.get(learner.checkpoint_state.remote())
+            t1 = time.perf_counter()
+            state = trainer_state(step)
+            future = writer.submit(write, step, adapter, config, optim, state)
+            t2 = time.perf_counter()
+            del adapter, config, optim  # the writer thread holds the only references now, as in the trainer
+            info, write_s = future.result()
+            if rep == 0:
+                print(f"  async warm-up: state copy {t1 - t0:.2f} s, submit {t2 - t1:.4f} s, write {write_s:.2f} s",
+                      flush=True)
+                continue
+            rows.append({"copy": t1 - t0, "submit": t2 - t1, "write": write_s, "bytes": info.bytes})
+            print(f"  async repeat {rep}: state copy {t1 - t0:.2f} s, submit {t2 - t1:.4f} s, background write "
+                  f"{write_s:.2f} s", flush=True)
+        return rows
+    finally:
+        writer.shutdown(wait=True)
+        ray.shutdown()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir in /tmp)")
@@ -207,6 +323,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
 
     from daedalus_trainer.checkpoint import AdapterState, CheckpointManager
+    from daedalus_trainer.config import CheckpointSpec
 
     print_load("start")
     t0 = time.perf_counter()
@@ -290,6 +407,10 @@ def main(argv=None) -> int:
                   flush=True)
         dd_bytes = rows[0]["dd_bytes"]
         parts = save_components(tensors, optim_state, work)
+        if shm_random is not None:
+            shm_random.unlink(missing_ok=True)  # frees 1 GB of /dev/shm for Ray's object store
+            shm_random = None
+        arows = async_stall(args.rank, args.repeats, work / "async-checkpoints")
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if shm_random is not None:
@@ -324,11 +445,29 @@ def main(argv=None) -> int:
     print(f"stall per checkpoint              {100 * save_s.median / STEP_SECONDS_8B:.1f}% of a {STEP_SECONDS_8B:.0f} s "
           f"8B-regime step (VLM-R1 #30); {100 * save_s.median / STEP_SECONDS_9B:.2f}% of {STEP_SECONDS_9B:.0f} s "
           f"(verl #7203); max {100 * save_s.max / STEP_SECONDS_8B:.1f}%")
+    copy_s = summarize([r["copy"] for r in arows])
+    submit_s = summarize([r["submit"] for r in arows])
+    loop_s = summarize([r["copy"] + r["submit"] for r in arows])
+    write_s = summarize([r["write"] for r in arows])
+    interval = CheckpointSpec.model_fields["interval_steps"].default  # spec.checkpoint.intervalSteps default
+    budget = interval * STEP_SECONDS_8B
+    print(f"async (trainer's mechanism: Ray learner actor -> ray.get -> 1-thread writer), {len(arows)} repeats:")
+    print(f"  (a) ray.get(checkpoint_state)   {copy_s.fmt(2, 's')}")
+    print(f"  (b) TrainerState + submit       {submit_s.fmt(4, 's')}")
+    print(f"  loop stall (a)+(b)              {loop_s.fmt(2, 's')} = {100 * loop_s.median / STEP_SECONDS_8B:.1f}% of "
+          f"a {STEP_SECONDS_8B:.0f} s step (max {100 * loop_s.max / STEP_SECONDS_8B:.1f}%); "
+          f"{100 * loop_s.median / STEP_SECONDS_9B:.2f}% of {STEP_SECONDS_9B:.0f} s")
+    print(f"  background write (writer thread) {write_s.fmt(2, 's')}; must stay under interval x step = "
+          f"{interval} (default intervalSteps) x {STEP_SECONDS_8B:.0f} s = {budget:.0f} s or the next "
+          f"save waits in settle(): {'holds' if write_s.max < budget else 'DOES NOT hold'} "
+          f"(it holds down to intervalSteps = {max(1, math.ceil(write_s.max / STEP_SECONDS_8B))})")
     print()
     print(f"checkpoint_stall: {100 * save_s.median / STEP_SECONDS_8B:.1f} % of a step "
           f"(anchor: 5 % target, {STEP_SECONDS_8B:.0f} s 8B GRPO step)")
     print(figure_line("checkpoint_restore", rest_mbs.median, "MB/s", "dd read, caches dropped", dd_r.median,
                       rest_mbs.median / dd_r.median, digits=0))
+    print(f"checkpoint_stall_async: {100 * loop_s.median / STEP_SECONDS_8B:.1f} % of a step (state copy "
+          f"{copy_s.median:.2f} s, background write {write_s.median:.2f} s)")
     print(figure_line("checkpoint_save", save_mbs.median, "MB/s", "dd conv=fsync", dd_w.median,
                       save_mbs.median / dd_w.median, digits=0))
     return 0
