@@ -41,12 +41,13 @@ https://github.com/verl-project/verl/issues/7203) is printed too.
 
 - synchronous (``checkpoint_stall``): ``CheckpointManager.save`` seconds / step seconds, what a loop that saved in
   line would stall; it still describes the write itself.
-- async (``checkpoint_stall_async``): what :meth:`daedalus_trainer.grpo.Trainer.train` does now. Its nested ``save``
-  runs ``ray.get(learner.checkpoint_state.remote())`` (copies of the adapter, its config and the optimizer
-  ``state_dict`` through Ray's object store), builds the ``TrainerState`` and submits ``CheckpointManager.save`` to a
-  ``ThreadPoolExecutor(max_workers=1)``; the loop goes on while the file is written. :func:`async_stall` does the
-  same on a local Ray started by the trainer's ``init_ray``, with a :class:`daedalus_trainer.actors.Learner`
-  subclass (its real ``checkpoint_state``) holding this state. Loop stall = (copy + submit) / step seconds; the
+- async (``checkpoint_stall_async``): what :meth:`daedalus_trainer.grpo.Trainer.train` does now, through
+  :class:`daedalus_trainer.grpo.CheckpointWriter`: ``save`` runs ``ray.get(learner.checkpoint_state.remote())``
+  (copies of the adapter, its config and the optimizer ``state_dict`` through Ray's object store) and queues
+  ``CheckpointManager.save`` on one writer thread; the loop goes on while the file is written. :func:`async_stall`
+  calls that same class on a local Ray started by the trainer's ``init_ray``, with a
+  :class:`daedalus_trainer.actors.Learner` subclass (its real ``checkpoint_state``) holding this state. Loop stall =
+  ``CheckpointWriter.save`` seconds / step seconds; the
   background write must finish within ``intervalSteps`` x step seconds, or the next save waits in ``settle()``.
   Not measured: the device -> host copy of a GPU learner's state, the network when the learner's node is not the
   driver's, and the writer thread's contention with the next step (the benchmark waits for each write idle).
@@ -252,63 +253,51 @@ def bench_learner_class():
 
 
 def async_stall(rank: int, repeats: int, root: Path) -> list[dict[str, float]]:
-    """The training loop's stall per checkpoint with the trainer's background writer
-    (:meth:`daedalus_trainer.grpo.Trainer.train`, its nested ``save``/``write``).
+    """The training loop's stall per checkpoint with the trainer's own background writer
+    (:class:`daedalus_trainer.grpo.CheckpointWriter`, which :meth:`daedalus_trainer.grpo.Trainer.train` uses).
 
     On a local Ray started by the trainer's own ``init_ray(local=True)`` (2 CPUs here, no dashboard), a
-    :func:`bench_learner_class` actor (``num_cpus=0.5``, the trainer's CPU option) holds the state; per repeat, as
-    ``save`` does: (a) ``ray.get(learner.checkpoint_state.remote())`` in the driver, (b) a :class:`TrainerState` and
-    ``ThreadPoolExecutor(max_workers=1).submit`` of ``CheckpointManager.save(step, AdapterState(...), optim,
-    state)``. The write is then waited for (so ``settle()`` would not wait at the next save) and its seconds in the
-    writer thread recorded. One warm-up repeat first, not returned.
+    :func:`bench_learner_class` actor (``num_cpus=0.5``, the trainer's CPU option) holds the state. Per repeat the
+    loop stall is the time of ``CheckpointWriter.save`` (``ray.get(learner.checkpoint_state.remote())`` + queueing
+    ``CheckpointManager.save`` on the writer thread); the write is then waited for (so the next save does not wait
+    for it) and its duration taken from ``CheckpointInfo.seconds``. One warm-up repeat first, not returned.
 
     Returns:
-        one dict per repeat: ``copy`` (a), ``submit`` (b), ``write`` (seconds of ``manager.save`` in the writer
-        thread), ``bytes`` (checkpoint size).
+        one dict per repeat: ``stall`` (seconds the loop waited), ``write`` (seconds of ``CheckpointManager.save``
+        in the writer thread), ``bytes`` (checkpoint size).
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     import ray
 
-    from daedalus_trainer.checkpoint import AdapterState, CheckpointManager
-    from daedalus_trainer.grpo import init_ray
+    from daedalus_trainer.checkpoint import CheckpointManager
+    from daedalus_trainer.grpo import CheckpointWriter, init_ray
 
     t = time.perf_counter()
     init_ray(local=True)
-    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="daedalus-checkpoint")
     try:
         learner = ray.remote(bench_learner_class()).options(num_cpus=0.5).remote(rank)
         n = ray.get(learner.n_params.remote())
         print(f"async: Ray started and learner actor holds {n:,} LoRA parameters + AdamW after "
               f"{time.perf_counter() - t:.1f} s", flush=True)
-        manager = CheckpointManager(root, keep=2)
-
-        def write(step_now: int, adapter, config, optim, state) -> tuple[Any, float]:
-            t_w = time.perf_counter()
-            info = manager.save(step_now, AdapterState(adapter, config), optim, state)
-            return info, time.perf_counter() - t_w
-
+        checkpointer = CheckpointWriter(CheckpointManager(root, keep=2))
         rows: list[dict[str, float]] = []
-        for rep in range(repeats + 1):
-            step = 1000 + rep
-            t0 = time.perf_counter()
-            adapter, config, optim = ray.get(learner.checkpoint_state.remote())
-            t1 = time.perf_counter()
-            state = trainer_state(step)
-            future = writer.submit(write, step, adapter, config, optim, state)
-            t2 = time.perf_counter()
-            del adapter, config, optim  # the writer thread holds the only references now, as in the trainer
-            info, write_s = future.result()
-            if rep == 0:
-                print(f"  async warm-up: state copy {t1 - t0:.2f} s, submit {t2 - t1:.4f} s, write {write_s:.2f} s",
-                      flush=True)
-                continue
-            rows.append({"copy": t1 - t0, "submit": t2 - t1, "write": write_s, "bytes": info.bytes})
-            print(f"  async repeat {rep}: state copy {t1 - t0:.2f} s, submit {t2 - t1:.4f} s, background write "
-                  f"{write_s:.2f} s", flush=True)
+        try:
+            for rep in range(repeats + 1):
+                step = 1000 + rep
+                state = trainer_state(step)
+                t0 = time.perf_counter()
+                checkpointer.save(step, learner, state)  # what Trainer.train's loop waits for
+                t1 = time.perf_counter()
+                info = checkpointer.settle(final=True)  # the write, timed by CheckpointManager.save itself
+                if rep == 0:
+                    print(f"  async warm-up: loop stall {t1 - t0:.2f} s, write {info.seconds:.2f} s", flush=True)
+                    continue
+                rows.append({"stall": t1 - t0, "write": info.seconds, "bytes": info.bytes})
+                print(f"  async repeat {rep}: loop stall (state copy + submit) {t1 - t0:.2f} s, background write "
+                      f"{info.seconds:.2f} s", flush=True)
+        finally:
+            checkpointer.close()
         return rows
     finally:
-        writer.shutdown(wait=True)
         ray.shutdown()
 
 
@@ -445,16 +434,12 @@ def main(argv=None) -> int:
     print(f"stall per checkpoint              {100 * save_s.median / STEP_SECONDS_8B:.1f}% of a {STEP_SECONDS_8B:.0f} s "
           f"8B-regime step (VLM-R1 #30); {100 * save_s.median / STEP_SECONDS_9B:.2f}% of {STEP_SECONDS_9B:.0f} s "
           f"(verl #7203); max {100 * save_s.max / STEP_SECONDS_8B:.1f}%")
-    copy_s = summarize([r["copy"] for r in arows])
-    submit_s = summarize([r["submit"] for r in arows])
-    loop_s = summarize([r["copy"] + r["submit"] for r in arows])
+    loop_s = summarize([r["stall"] for r in arows])
     write_s = summarize([r["write"] for r in arows])
     interval = CheckpointSpec.model_fields["interval_steps"].default  # spec.checkpoint.intervalSteps default
     budget = interval * STEP_SECONDS_8B
-    print(f"async (trainer's mechanism: Ray learner actor -> ray.get -> 1-thread writer), {len(arows)} repeats:")
-    print(f"  (a) ray.get(checkpoint_state)   {copy_s.fmt(2, 's')}")
-    print(f"  (b) TrainerState + submit       {submit_s.fmt(4, 's')}")
-    print(f"  loop stall (a)+(b)              {loop_s.fmt(2, 's')} = {100 * loop_s.median / STEP_SECONDS_8B:.1f}% of "
+    print(f"async (grpo.CheckpointWriter: Ray learner actor -> ray.get -> 1-thread writer), {len(arows)} repeats:")
+    print(f"  loop stall (state copy + submit) {loop_s.fmt(2, 's')} = {100 * loop_s.median / STEP_SECONDS_8B:.1f}% of "
           f"a {STEP_SECONDS_8B:.0f} s step (max {100 * loop_s.max / STEP_SECONDS_8B:.1f}%); "
           f"{100 * loop_s.median / STEP_SECONDS_9B:.2f}% of {STEP_SECONDS_9B:.0f} s")
     print(f"  background write (writer thread) {write_s.fmt(2, 's')}; must stay under interval x step = "
@@ -466,8 +451,8 @@ def main(argv=None) -> int:
           f"(anchor: 5 % target, {STEP_SECONDS_8B:.0f} s 8B GRPO step)")
     print(figure_line("checkpoint_restore", rest_mbs.median, "MB/s", "dd read, caches dropped", dd_r.median,
                       rest_mbs.median / dd_r.median, digits=0))
-    print(f"checkpoint_stall_async: {100 * loop_s.median / STEP_SECONDS_8B:.1f} % of a step (state copy "
-          f"{copy_s.median:.2f} s, background write {write_s.median:.2f} s)")
+    print(f"checkpoint_stall_async: {100 * loop_s.median / STEP_SECONDS_8B:.1f} % of a step (state copy + submit "
+          f"{loop_s.median:.2f} s, background write {write_s.median:.2f} s)")
     print(figure_line("checkpoint_save", save_mbs.median, "MB/s", "dd conv=fsync", dd_w.median,
                       save_mbs.median / dd_w.median, digits=0))
     return 0

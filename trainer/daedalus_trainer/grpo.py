@@ -199,6 +199,80 @@ class TrainResult:
     """Duration of this call."""
 
 
+class CheckpointWriter:
+    """Writes a trainer's checkpoints on one background thread, in step order, one at a time.
+
+    :meth:`save` copies the learner actor's state out (``ray.get(learner.checkpoint_state.remote())``: adapter
+    tensors, adapter config and optimizer ``state_dict`` arrive as copies through Ray's object store), waits for a
+    previous write that is still running, and queues :meth:`CheckpointManager.save
+    <daedalus_trainer.checkpoint.CheckpointManager.save>`; the caller goes on with the next step while the files are
+    written and fsynced. The training loop therefore stalls only for the copy (``bench/checkpoint.py`` measures it).
+
+    Args:
+        manager: the job's :class:`~daedalus_trainer.checkpoint.CheckpointManager`.
+        on_done: called in the writer thread with each committed ``CheckpointInfo``.
+        on_failed: called in the writer thread with ``(step, exception)`` when a write fails
+            (:class:`~daedalus_trainer.checkpoint.CheckpointSaveError`; the previous checkpoint is intact).
+        latest: the checkpoint the run resumed from, if any (what :meth:`settle` returns until a write commits).
+    """
+
+    def __init__(self, manager, on_done: Callable[[Any], None] | None = None,
+                 on_failed: Callable[[int, Exception], None] | None = None, latest: Any = None):
+        self.manager = manager
+        self.latest = latest
+        self._on_done = on_done
+        self._on_failed = on_failed
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="daedalus-checkpoint")
+        self._pending: list[Future] = []
+
+    def _write(self, step: int, adapter, config, optimizer_state, trainer_state) -> Any:
+        from daedalus_trainer.checkpoint import AdapterState, CheckpointSaveError
+
+        try:
+            info = self.manager.save(step, AdapterState(adapter, config), optimizer_state, trainer_state)
+        except CheckpointSaveError as exc:
+            if self._on_failed:
+                self._on_failed(step, exc)
+            raise
+        if self._on_done:
+            self._on_done(info)
+        return info
+
+    def save(self, step: int, learner, trainer_state) -> None:
+        """Copy ``learner``'s state (a Ray actor handle of :class:`~daedalus_trainer.actors.Learner`) and queue its
+        checkpoint at ``step`` with ``trainer_state``; returns once the write is queued, not written."""
+        import ray
+
+        adapter, config, optimizer_state = ray.get(learner.checkpoint_state.remote())
+        self.settle()
+        self._pending.append(self._writer.submit(self._write, step, adapter, config, optimizer_state, trainer_state))
+
+    def settle(self, final: bool = False) -> Any:
+        """Wait for the queued writes; return the newest committed ``CheckpointInfo`` (or the resume point).
+
+        Raises:
+            daedalus_trainer.checkpoint.CheckpointSaveError: a write failed and ``final`` is set (a failed
+                intermediate write is reported through ``on_failed`` and otherwise skipped).
+        """
+        from daedalus_trainer.checkpoint import CheckpointSaveError
+
+        while self._pending:
+            future = self._pending.pop(0)
+            try:
+                self.latest = future.result()
+            except CheckpointSaveError:
+                if final:
+                    raise
+        return self.latest
+
+    def close(self) -> Any:
+        """:meth:`settle` ``(final=True)`` and stop the writer thread; return the newest checkpoint."""
+        try:
+            return self.settle(final=True)
+        finally:
+            self._writer.shutdown(wait=True)
+
+
 class Trainer:
     """Runs GRPO for one job: Ray actors for rollouts and learning, checkpoints, metrics and the control endpoint.
 
@@ -257,8 +331,7 @@ class Trainer:
         """
         import ray
 
-        from daedalus_trainer.checkpoint import (AdapterState, CheckpointManager, CheckpointSaveError,
-                                                 TrainerState, capture_rng_state, export_adapter)
+        from daedalus_trainer.checkpoint import CheckpointManager, TrainerState, capture_rng_state, export_adapter
         from daedalus_trainer.layouts import TrainingSampler
         from daedalus_trainer.metrics import StepStats
 
@@ -289,51 +362,30 @@ class Trainer:
             log.info("resumed from %s (step %d)", loaded.path, step)
         resumed_from = step if loaded is not None else None
 
-        # Checkpoints are written by one background thread: the learner's state is copied out first (ray.get
-        # returns copies), so the next step runs while the files are written and fsynced. Writes stay in order,
-        # one at a time; a step's checkpoint is answered to POST /checkpoint callers when it is committed.
-        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="daedalus-checkpoint")
-        pending: list[Future] = []
-
-        def write(step_now: int, adapter, config, optim, state) -> Any:
-            try:
-                info = manager.save(step_now, AdapterState(adapter, config), optim, state)
-            except CheckpointSaveError as exc:
-                # The previous checkpoint is intact; training goes on and the stale-checkpoint alert fires.
-                log.error("checkpoint at step %d failed, previous checkpoint kept: %s", step_now, exc)
-                self.control.checkpoint_failed(str(exc))
-                raise
+        def on_done(info) -> None:
             self.metrics.observe_checkpoint(info)
             self.control.checkpoint_done(info)
             self.control.set_status(latest_checkpoint=info)
-            log.info("checkpoint step %d written to %s (%.2f s, %d bytes)", step_now, info.path, info.seconds,
+            log.info("checkpoint step %d written to %s (%.2f s, %d bytes)", info.step, info.path, info.seconds,
                      info.bytes)
-            return info
 
-        def settle(final: bool = False) -> Any:
-            """Wait for the queued write; return its info (None if it failed and this is not the final one)."""
-            nonlocal latest
-            while pending:
-                future = pending.pop(0)
-                try:
-                    latest = future.result()
-                except CheckpointSaveError:
-                    if final:
-                        raise
-            return latest
+        def on_failed(step_now: int, exc: Exception) -> None:
+            # The previous checkpoint is intact; training goes on and the stale-checkpoint alert fires.
+            log.error("checkpoint at step %d failed, previous checkpoint kept: %s", step_now, exc)
+            self.control.checkpoint_failed(str(exc))
+
+        checkpointer = CheckpointWriter(manager, on_done=on_done, on_failed=on_failed, latest=latest)
 
         def save(step_now: int, wait: bool = False) -> None:
             nonlocal saved_step
-            adapter, config, optim = ray.get(learner.checkpoint_state.remote())
             # Every random draw comes from per-step seeds (mazes: (seed, step, index); sampling: step_seed), so the
             # sampler state is the step; the global RNG states are recorded for completeness.
             state = TrainerState(sampler={"seed": algo.seed, "next_step": step_now}, rng=capture_rng_state(),
                                  metric_history=list(history), extra={"rollout_workers": len(workers)})
-            settle()
-            pending.append(writer.submit(write, step_now, adapter, config, optim, state))
+            checkpointer.save(step_now, learner, state)
             saved_step = step_now
             if wait:
-                settle(final=True)
+                checkpointer.settle(final=True)
 
         saved_step = step if loaded is not None else -1
         self.control.set_status(phase="training", step=step)
@@ -383,10 +435,7 @@ class Trainer:
                 save(step)
         if not stopped and self.control.checkpoint_requested() and saved_step != step:
             save(step)  # a request that arrived after the last step
-        try:
-            settle(final=True)  # the last checkpoint must be on disk before exporting or exiting
-        finally:
-            writer.shutdown(wait=True)
+        latest = checkpointer.close()  # the last checkpoint must be on disk before exporting or exiting
         if not stopped and self.final_eval and step == algo.steps:
             self.final_eval_success = self._evaluate(learner, workers, step)
         adapter_dir = None
