@@ -1,0 +1,45 @@
+"""Shared bits of the experiment scripts: the repository root, the example job and ``key.path=value`` overrides.
+
+Not a benchmark (``make bench`` runs ``bench/*.py`` only) and not imported by the project.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "local-tiny.yaml"
+
+
+def override(text: str) -> tuple[str, str]:
+    """argparse type for ``key.path=value`` (a path under the job's ``spec``; the value is parsed as YAML).
+
+    Raises:
+        argparse.ArgumentTypeError: no ``=`` in ``text``.
+    """
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected key.path=value (e.g. algorithm.learningRate=1e-3), got {text!r}")
+    key, value = text.split("=", 1)
+    return key, value
+
+
+def apply_overrides(doc: dict[str, Any], overrides: list[tuple[str, str]]) -> dict[str, Any]:
+    """Set each ``(key.path, value)`` under ``doc["spec"]``, in order (YAML-parsed value; missing intermediate
+    mappings are created). Returns ``doc``, changed in place."""
+    for key, value in overrides:
+        d = doc["spec"]
+        parts = key.split(".")
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = yaml.safe_load(value)
+    return doc
+
+
+def load_example(overrides: list[tuple[str, str]] = ()) -> dict[str, Any]:
+    """``examples/local-tiny.yaml`` as a dict, with ``overrides`` applied (:func:`apply_overrides`)."""
+    with open(EXAMPLE) as f:
+        return apply_overrides(yaml.safe_load(f), overrides)
