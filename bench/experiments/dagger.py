@@ -19,8 +19,9 @@ Figures (2026-11-30, shared 2-core machine, one seed each), from the 60.9% model
     .venv/bin/python bench/experiments/dagger.py runs/experiments/sft-pad1/model dagger 300 5e-4
     .venv/bin/python bench/experiments/dagger.py runs/experiments/sft-pad1/model demo 300 5e-4
 
-dagger 64.1% held-out greedy success (wall-bump rate 0.149); demo-only control 40.6% (0.575).
-more runs: see bench/experiments/README.md
+dagger 64.1% held-out greedy success (wall-bump rate 0.149); demo-only control 40.6% (0.575). With 600 steps at
+lr 3e-4 (``... dagger 600 3e-4`` and ``... demo 600 3e-4``): dagger 79.7% (0.072), demo-only 51.6% (0.448); with 300
+steps at 2e-4: dagger 60.9% (0.136).
 64 held-out mazes: 95% CI about +-12 points.
 
 Run from the repository root.
