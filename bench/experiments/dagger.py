@@ -21,7 +21,8 @@ Figures (2026-11-30, shared 2-core machine, one seed each), from the 60.9% model
 
 dagger 64.1% held-out greedy success (wall-bump rate 0.149); demo-only control 40.6% (0.575). With 600 steps at
 lr 3e-4 (``... dagger 600 3e-4`` and ``... demo 600 3e-4``): dagger 79.7% (0.072), demo-only 51.6% (0.448); with 300
-steps at 2e-4: dagger 60.9% (0.136).
+steps at 2e-4: dagger 60.9% (0.136). From the random tiny model (``runs/experiments/sft-pad1/tiny-base``), 1000
+steps at 1e-3: dagger 71.9% (0.064), demo-only 46.9% (0.466).
 64 held-out mazes: 95% CI about +-12 points.
 
 Run from the repository root.
