@@ -208,6 +208,7 @@ class Learner:
         # Collate once: the batches, behaviour log-probs and (with a KL term) reference log-probs are the same for
         # every iteration over this rollout batch.
         prepared = []
+        device = self.policy.device
         for chunk in chunks:
             seqs, old_rows, row_adv, row_ep = [], [], [], []
             for e in chunk:
@@ -225,7 +226,6 @@ class Learner:
             if use_kl:
                 with torch.no_grad():
                     ref = self.policy.reference_logprobs(batch, algo.temperature)
-            device = self.policy.device
             prepared.append((batch, old.to(device), torch.tensor(row_adv, device=device),
                              torch.tensor(row_ep, dtype=torch.long, device=device), ref, len(seqs)))
 

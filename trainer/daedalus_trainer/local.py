@@ -93,11 +93,12 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     # adapter (which GRPO trains further, so the exported adapter replaces it).
     from daedalus_trainer.policy import is_adapter_dir, is_checkpoint_dir, resolve_base_dir
 
-    if not (is_adapter_dir(start_dir) or is_checkpoint_dir(start_dir)):
+    start_is_adapter = is_adapter_dir(start_dir)
+    if not (start_is_adapter or is_checkpoint_dir(start_dir)):
         console.print(f"[red]model.sftAdapter {start_dir!r} is neither a PEFT adapter directory (adapter_config.json) "
                       "nor a model directory (config.json) on this machine[/red]")
         return 2
-    if is_adapter_dir(start_dir):
+    if start_is_adapter:
         eval_model, start_adapter = str(resolve_base_dir(job.spec.model, work_dir)), start_dir
     else:
         eval_model, start_adapter = start_dir, None
