@@ -33,7 +33,8 @@ def tiny_job_dict(**spec_overrides) -> dict:
     spec = job["spec"]
     spec["environment"].update({"evalMazes": 16, "successOn": "arrival", "maxTurns": 16})
     spec["algorithm"].update({"groupSize": 4, "mazesPerStep": 2, "steps": 6, "maxTokensPerTurn": 10})
-    spec["sft"].update({"steps": 150, "batchSize": 16, "maxSeconds": 120})
+    # demonstrations only: the suite's SFT start (and thresholds measured from it) stay as measured before DAgger
+    spec["sft"].update({"steps": 150, "batchSize": 16, "maxSeconds": 120, "onPolicyFraction": 0.0})
     spec["checkpoint"].update({"intervalSteps": 3, "keep": 3})
     for section, fields in spec_overrides.items():
         spec.setdefault(section, {}).update(copy.deepcopy(fields))

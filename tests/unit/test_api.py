@@ -133,6 +133,7 @@ INVALID = [
     # A quoted number is a string to the API server: integer fields are strict (pydantic would coerce "11").
     ("spec.environment.size", "11", "spec.environment.size", "valid integer", "schema"),
     ("spec.algorithm.steps", 30.5, "spec.algorithm.steps", "valid integer", "schema"),
+    ("spec.sft.onPolicyFraction", 1.5, "spec.sft.onPolicyFraction", "less than or equal to 1", "schema"),
 ]
 
 

@@ -154,6 +154,82 @@ def test_sft_trains_resumes_bit_exactly_and_eval_reproduces(tmp_path):
     assert rep.result("greedy").to_dict() | {"seconds": 0} == report["final_eval"] | {"seconds": 0}
 
 
+def test_on_policy_pool_labels_each_distinct_visited_state_with_the_solver(tiny_job):
+    """A policy that bumps into a wall three times, then follows the solver: the pool holds each state once (the
+    repeated bump is one prompt), every target is the solver's action from that cell, and replaying the same replies
+    rebuilds the same turns."""
+    from daedalus_trainer.envs import DIRECTIONS, distance_map, format_action
+    from daedalus_trainer.envs.maze import DELTAS
+    from daedalus_trainer.layouts import TrainingSampler
+
+    env = tiny_job.spec.environment  # stop-on-goal, history of 1 turn
+    sampler = TrainingSampler.for_env(env, 0)
+    maze = sampler.mazes(sft.POOL_STEP_OFFSET + 3, 1)[0]
+    r, c = maze.start
+    wall = next(d for d in DIRECTIONS if maze.walls[r + DELTAS[d][0], c + DELTAS[d][1]])
+    path = solve(maze)
+    replies = [format_action(wall, env.action_format)] * 3 + [format_action(m, env.action_format) for m in path]
+    replies.append(format_action("stop", env.action_format))
+    pool = sft.OnPolicyPool.replay(env, sampler, 3, [replies])
+
+    assert pool.round == 3 and pool.success == 1.0 and pool.replies == [replies]
+    # start (no feedback yet), start after the bump (same feedback three times: one state), then one per move + goal
+    assert len(pool.turns) == 2 + len(path)
+    dist = distance_map(maze)
+    cells, (rr, cc) = [maze.start, maze.start], maze.start
+    for m in path:
+        rr, cc = rr + DELTAS[m][0], cc + DELTAS[m][1]
+        cells.append((rr, cc))
+    assert [t.reply for t in pool.turns] == [format_action(sft.expert_action(maze, dist, x), env.action_format)
+                                             for x in cells]
+    assert pool.turns[-1].reply == format_action("stop", env.action_format)
+    assert "Hit a wall" in json.dumps(pool.turns[1].messages)  # the policy's own mistake is in the prompt
+    again = sft.OnPolicyPool.replay(env, sampler, 3, [replies])
+    assert [(t.reply, json.dumps(t.messages)) for t in again.turns] == [(t.reply, json.dumps(t.messages))
+                                                                        for t in pool.turns]
+    failed = sft.OnPolicyPool.replay(env, sampler, 3, [replies[:5]])  # cut short: not solved
+    assert failed.success == 0.0 and len(failed.turns) == 3  # start, after the bumps, after the first move
+
+
+def test_sft_with_on_policy_states_resumes_bit_exactly(tmp_path):
+    """DAgger SFT (half of each batch from the policy's greedy episodes, pool refreshed every 2 steps): interrupted
+    at step 3 (pool of round 1 in use) and resumed, the weights equal an uninterrupted run's; the pool's greedy
+    success is logged at each refresh."""
+    fast = {"progress": False, "accuracy_turns": 8}
+
+    def job():
+        return make_tiny_job(None, sft={"steps": 6, "batchSize": 4, "learningRate": 0.003, "maxSeconds": 0,
+                                        "onPolicyFraction": 0.5, "onPolicyEvery": 2},
+                             environment={"evalMazes": 16, "maxTurns": 4})
+
+    full = sft.run_sft(job(), tmp_path / "full", resume=False, final_eval=False, **fast)
+    report = json.loads((tmp_path / "full" / sft.REPORT_NAME).read_text())
+    refreshes = [h for h in report["history"] if "on_policy_success" in h]
+    assert [h["step"] for h in refreshes] == [0, 2, 4]
+    assert all(1 <= h["pool_turns"] <= sft.POOL_MAZES * 4 for h in refreshes)
+    assert report["settings"]["on_policy_fraction"] == 0.5
+
+    half = tmp_path / "half"
+
+    def interrupt_at_3(state):
+        if state.step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sft.run_sft(job(), half, resume=False, final_eval=False, on_step=interrupt_at_3, **fast)
+    saved = json.loads((half / "checkpoint" / "state.json").read_text())
+    assert saved["step"] == 3 and saved["pool_round"] == 1 and len(saved["pool_replies"]) == sft.POOL_MAZES
+    resumed = sft.run_sft(job(), half, resume=True, final_eval=False, **fast)
+    a = load_pretrained(full, "float32", "cpu").model.state_dict()
+    b = load_pretrained(resumed, "float32", "cpu").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    demo_only = sft.run_sft(make_tiny_job(None, sft={"steps": 6, "batchSize": 4, "learningRate": 0.003,
+                                                     "maxSeconds": 0}, environment={"evalMazes": 16, "maxTurns": 4}),
+                            tmp_path / "demo", resume=False, final_eval=False, **fast)
+    c = load_pretrained(demo_only, "float32", "cpu").model.state_dict()
+    assert any(not torch.equal(a[k], c[k]) for k in a)  # the on-policy turns changed the updates
+
+
 def test_learning_rate_schedule_is_warmup_stable_decay():
     lr = 1e-3
     assert sft.lr_at(lr, 0, 0.0) == pytest.approx(lr / sft.WARMUP_STEPS)

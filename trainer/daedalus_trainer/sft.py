@@ -14,6 +14,16 @@ Demonstrations come from :class:`daedalus_trainer.layouts.TrainingSampler`, so n
 Each step draws ``batch_size`` mazes from ``(sft.seed, step)`` and one uniformly chosen turn of each, so the data of
 step ``k`` does not depend on what ran before, and a resumed run sees the same data as an uninterrupted one.
 
+On-policy states (DAgger; Ross, Gordon and Bagnell 2011, "A Reduction of Imitation Learning and Structured Prediction
+to No-Regret Online Learning", arXiv:1011.0686): with ``sft.onPolicyFraction = f > 0``, ``round(f * batchSize)`` turns
+of each batch come from an :class:`OnPolicyPool` instead of demonstrations: every ``sft.onPolicyEvery`` steps the
+current policy plays :data:`POOL_MAZES` training mazes greedily and each distinct state it visits is labelled with the
+solver's action from there. Demonstrations show the states an expert visits; the pool shows the states the policy's own
+mistakes lead to, which is where a greedy policy fails (looping into a wall it misread). Measured on the tiny model
+(size 7, batch 32, 64 held-out mazes, one seed each; ``bench/experiments/dagger.py``): from the random model, 1000 steps
+at lr 1e-3 with f = 0.5 reached 71.9% greedy success (wall-bump rate 0.06 per turn) against 46.9% (0.47) for
+demonstrations alone, for 1.2x the wall time; 600 more steps from a 60.9% model: 79.7% against 51.6%.
+
 Step accuracy (logged with the loss): the fraction of held-out demonstration turns (from evaluation layouts) on which
 greedy decoding reproduces the solver's reply exactly (:meth:`daedalus_trainer.policy.Policy.greedy_match`). Greedy
 success stays near 0 until it passes ~0.9 (one wrong move into a wall repeats forever), so it is the figure to watch.
@@ -77,6 +87,11 @@ CHECKPOINT_SECONDS = 60.0
 MAX_GRAD_NORM = 1.0
 #: AdamW betas: beta2 = 0.95 as common for transformers (e.g. GPT-3, Brown et al. 2020), better than 0.999 here.
 ADAM_BETAS = (0.9, 0.95)
+#: Greedy episodes the policy plays per on-policy pool refresh (see :class:`OnPolicyPool`).
+POOL_MAZES = 32
+#: Pool round ``r`` plays the training sampler's mazes of step ``POOL_STEP_OFFSET + r``, away from the steps whose
+#: mazes the demonstrations use (a coincidence would only repeat training mazes, never show an evaluation layout).
+POOL_STEP_OFFSET = 10_000
 
 
 # ------------------------------------------------------------------------------------------------- demonstrations
@@ -200,8 +215,84 @@ class DemoSource:
         return out
 
     def batch(self, step: int, batch_size: int) -> list[TokenSequence]:
-        """:meth:`turns` tokenized."""
-        return encode_turns(self.policy, self.turns(step, batch_size))
+        """:meth:`turns` tokenized (``[]`` for ``batch_size == 0``)."""
+        return encode_turns(self.policy, self.turns(step, batch_size)) if batch_size > 0 else []
+
+
+@dataclass
+class OnPolicyPool:
+    """The DAgger states of one refresh: the current policy's greedy episodes, relabelled by the solver.
+
+    Attributes:
+        round: refresh index (``step // sft.onPolicyEvery``); its mazes are the training sampler's mazes of step
+            ``POOL_STEP_OFFSET + round``.
+        replies: the executed replies of each episode, as text (what a checkpoint stores: :meth:`replay` rebuilds the
+            pool from them exactly, without the model that played them).
+        turns: each distinct state of those episodes rendered like a rollout turn, with the solver's reply
+            (:func:`expert_action`) as the target. A state repeated in a loop (same cells, feedback and replies in
+            the prompt window) is kept once, so a policy stuck in a loop does not fill the pool with one prompt.
+        success: share of the episodes the policy solved (its greedy success on training mazes at this step).
+    """
+
+    round: int
+    replies: list[list[str]]
+    turns: list[DemoTurn]
+    success: float
+
+    @classmethod
+    def play(cls, policy: Policy, env_spec: Any, sampler: TrainingSampler, round_: int, max_tokens: int,
+             n: int = POOL_MAZES) -> OnPolicyPool:
+        """Play ``n`` greedy episodes with ``policy`` (in eval mode, no gradients; the mode is restored) and label
+        them."""
+        from daedalus_trainer.rollout.engine import SamplingParams, TransformersEngine
+        from daedalus_trainer.rollout.episode import run_episodes
+
+        mazes = sampler.mazes(POOL_STEP_OFFSET + round_, n)
+        was = policy.model.training
+        policy.model.eval()
+        try:
+            with torch.no_grad():
+                trajs = run_episodes(TransformersEngine(policy), mazes, env_spec,
+                                     SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        finally:
+            policy.model.train(was)
+        replies = [[t.text for t in traj.turns] for traj in trajs]
+        pool = cls.replay(env_spec, sampler, round_, replies)
+        pool.success = sum(t.success for t in trajs) / max(1, len(trajs))
+        return pool
+
+    @classmethod
+    def replay(cls, env_spec: Any, sampler: TrainingSampler, round_: int, replies: list[list[str]]) -> OnPolicyPool:
+        """Rebuild the pool of round ``round_`` from the episodes' executed ``replies`` (the environment is
+        deterministic given the maze and the replies). ``success`` is recomputed from the environment."""
+        settings = prompts.PromptSettings.from_env(env_spec)
+        fmt, h = env_spec.action_format, settings.history_turns
+        mazes = sampler.mazes(POOL_STEP_OFFSET + round_, len(replies))
+        turns, solved = [], 0
+        for maze, episode in zip(mazes, replies):
+            env = make_env(env_spec)
+            obs, info = env.reset(options={"maze": maze})
+            dist = distance_map(maze)
+            observations, cells, labels = [obs], [tuple(info["agent"])], []
+            success = False
+            for reply in episode:
+                labels.append(format_action(expert_action(maze, dist, cells[-1]), fmt))
+                obs, _, terminated, truncated, info = env.step(reply)
+                success = bool(info.get("success", False))
+                if terminated or truncated:
+                    break
+                observations.append(obs)
+                cells.append(tuple(info["agent"]))
+            solved += success
+            seen = set()
+            for k in range(len(labels)):
+                first = max(0, k - h + 1)
+                key = (tuple((cells[j], observations[j].get("feedback")) for j in range(first, k + 1)),
+                       tuple(episode[first:k]))
+                if key not in seen:
+                    seen.add(key)
+                    turns.append(_demo_turn(observations, episode, labels, k, settings))
+        return cls(round_, [list(e) for e in replies], turns, solved / max(1, len(replies)))
 
 
 def heldout_turns(env_spec: Any, n: int = ACCURACY_TURNS, seed: int = 0) -> list[DemoTurn]:
@@ -240,6 +331,9 @@ class SFTState:
     eval_seconds: float = 0.0
     tokens: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    #: The on-policy pool in use (:class:`OnPolicyPool`): its round (-1: none yet) and executed replies.
+    pool_round: int = -1
+    pool_replies: list[list[str]] = field(default_factory=list)
 
     def to_json(self) -> str:
         """JSON text."""
@@ -345,7 +439,8 @@ def run_sft(
     one whose ``steps`` / ``maxSeconds`` were raised since) continues from its checkpoint, with the same data and
     optimizer state as an uninterrupted run.
 
-    Keyword args: ``progress`` (tqdm bar on stderr with loss, step accuracy, tokens/s and training seconds),
+    Keyword args: ``progress`` (tqdm bar on stderr with loss, step accuracy, tokens/s, training seconds and, with
+    ``sft.onPolicyFraction > 0``, ``train_greedy``: the policy's greedy success on the last pool's training mazes),
     ``final_eval`` (greedy evaluation on the held-out set at the end, stored in the report), ``checkpoint_seconds``,
     ``log_every`` (steps between step-accuracy measurements), ``accuracy_turns`` (held-out turns they use),
     ``on_step`` (called with the state after every optimizer step, e.g. for metrics; a ``KeyboardInterrupt`` raised
@@ -386,6 +481,26 @@ def run_sft(
     sampler = TrainingSampler.for_env(spec.environment, spec.sft.seed)
     source = DemoSource(policy, spec.environment, sampler, spec.sft.seed, noise=DEMO_NOISE)
     heldout = encode_turns(policy, heldout_turns(spec.environment, accuracy_turns, seed=spec.sft.seed))
+    # DAgger (module docstring): n_policy turns of each batch from the on-policy pool, the rest demonstrations.
+    n_policy = int(spec.sft.on_policy_fraction * spec.sft.batch_size + 0.5)
+    n_demo = spec.sft.batch_size - n_policy
+    every = int(spec.sft.on_policy_every)
+    pool: OnPolicyPool | None = None
+    pool_sequences: list[TokenSequence] = []
+    if n_policy and state.pool_round >= 0:  # resumed: the pool of the interrupted run, rebuilt without the model
+        pool = OnPolicyPool.replay(spec.environment, sampler, state.pool_round, state.pool_replies)
+        pool_sequences = _encode_chunked(policy, pool.turns)
+
+    def refresh_pool() -> None:
+        nonlocal pool, pool_sequences
+        pool = OnPolicyPool.play(policy, spec.environment, sampler, state.step // every,
+                                 spec.algorithm.max_tokens_per_turn)
+        pool_sequences = _encode_chunked(policy, pool.turns)
+        state.pool_round, state.pool_replies = pool.round, pool.replies
+        state.history.append({"step": state.step, "on_policy_success": pool.success, "pool_turns": len(pool.turns)})
+
+    def pool_postfix() -> dict[str, str]:  # the policy's greedy success on the pool's training mazes
+        return {"train_greedy": f"{pool.success:.2f}"} if pool is not None else {}
 
     def budget_left() -> bool:
         return not exhausted(state)
@@ -405,12 +520,17 @@ def run_sft(
     # Demonstrations for step k + 1 are prepared (environment, rendering, processor) while step k trains: the data
     # of a step depends only on its index, so prefetching changes no value.
     prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sft-data")
-    upcoming = prefetch.submit(source.batch, state.step, spec.sft.batch_size)
+    upcoming = prefetch.submit(source.batch, state.step, n_demo)
     try:
         while budget_left():
             t0, c0 = time.perf_counter(), time.process_time()
+            if n_policy and (pool is None or state.step % every == 0):  # counts towards the budget
+                refresh_pool()
             sequences = upcoming.result()
-            upcoming = prefetch.submit(source.batch, state.step + 1, spec.sft.batch_size)
+            upcoming = prefetch.submit(source.batch, state.step + 1, n_demo)
+            if n_policy:
+                rng = np.random.default_rng([spec.sft.seed, state.step, 7919])
+                sequences = sequences + [pool_sequences[i] for i in rng.integers(len(pool_sequences), size=n_policy)]
             batch = policy.collate(sequences)
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(spec.sft.learning_rate, state.step, spent())
@@ -435,7 +555,7 @@ def run_sft(
             else:
                 bar.update(1)
             bar.set_postfix(step=state.step, loss=f"{window_loss[-1]:.3f}",
-                            tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}")
+                            tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}", **pool_postfix())
             if state.step % log_every == 0 or not budget_left():
                 t1 = time.perf_counter()
                 acc = step_accuracy(policy, heldout)
@@ -446,7 +566,7 @@ def run_sft(
                     "tokens_per_second": round(window_tokens / max(window_time, 1e-9), 1), "step_accuracy": acc,
                 })
                 bar.set_postfix(step=state.step, loss=f"{np.mean(window_loss):.3f}", acc=f"{acc:.2f}",
-                                tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}")
+                                tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}", **pool_postfix())
                 window_loss, window_tokens, window_time = [], 0, 0.0
             if spec.sft.eval_every and state.step % spec.sft.eval_every == 0 and budget_left():
                 t1 = time.perf_counter()
@@ -491,6 +611,7 @@ def run_sft(
         "settings": {"steps": max_steps, "max_seconds": max_seconds, "batch_size": spec.sft.batch_size,
                      "learning_rate": spec.sft.learning_rate, "schedule": f"wsd(warmup={WARMUP_STEPS}, "
                      f"decay={DECAY_FRACTION})", "seed": spec.sft.seed,
+                     "on_policy_fraction": spec.sft.on_policy_fraction, "on_policy_every": every,
                      "full_finetune": not policy.has_adapter, "torch_threads": torch.get_num_threads()},
         "layouts": layout_report.to_dict(),
         "history": state.history,
@@ -501,6 +622,11 @@ def run_sft(
         report["final_eval_seconds"] = round(time.perf_counter() - t1, 2)
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     return result
+
+
+def _encode_chunked(policy: Policy, turns: list[DemoTurn], chunk: int = 64) -> list[TokenSequence]:
+    """:func:`encode_turns` in chunks of ``chunk`` turns (bounded processor memory for a large pool)."""
+    return [s for lo in range(0, len(turns), chunk) for s in encode_turns(policy, turns[lo : lo + chunk])]
 
 
 def _snapshot(policy: Policy, out: Path) -> Path:
