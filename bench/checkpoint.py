@@ -42,18 +42,21 @@ https://github.com/verl-project/verl/issues/7203) is printed too.
 - synchronous (``checkpoint_stall``): ``CheckpointManager.save`` seconds / step seconds, what a loop that saved in
   line would stall; it still describes the write itself.
 - async (``checkpoint_stall_async``): what :meth:`daedalus_trainer.grpo.Trainer.train` does now, through
-  :class:`daedalus_trainer.grpo.CheckpointWriter`: ``save`` runs ``ray.get(learner.checkpoint_state.remote())``
-  (copies of the adapter, its config and the optimizer ``state_dict`` through Ray's object store) and queues
-  ``CheckpointManager.save`` on one writer thread; the loop goes on while the file is written. :func:`async_stall`
-  calls that same class on a local Ray started by the trainer's ``init_ray``, with a
-  :class:`daedalus_trainer.actors.Learner` subclass (its real ``checkpoint_state``) holding this state. Loop stall =
-  ``CheckpointWriter.save`` seconds / step seconds; the
-  background write must finish within ``intervalSteps`` x step seconds, or the next save waits in ``settle()``.
+  :class:`daedalus_trainer.grpo.CheckpointWriter`: ``save`` calls ``learner.checkpoint_state.remote(packed=True)``
+  (Ray copies the adapter, its config and the optimizer ``state_dict``, tensors as byte views, into its object store
+  when the call returns) and queues, on one writer thread, the ``ray.get``, the unpacking into tensors and
+  ``CheckpointManager.save``; the loop
+  goes on at once, but the learner's next task (the next step's adapter publication, which the rollouts wait for)
+  starts only after that serialization. :func:`async_stall` calls that same class on a local Ray started by the
+  trainer's ``init_ray``, with a :class:`daedalus_trainer.actors.Learner` subclass (its real ``checkpoint_state``)
+  holding this state. Loop stall = seconds from calling ``CheckpointWriter.save`` until a trivial learner call made
+  right after it returns (so the learner's serialization counts) / step seconds; the background copy and write
+  must finish within ``intervalSteps`` x step seconds, or the next save waits in ``settle()``.
   Not measured: the device -> host copy of a GPU learner's state, the network when the learner's node is not the
   driver's, and the writer thread's contention with the next step (the benchmark waits for each write idle).
 
-Last lines: ``checkpoint_stall``, ``checkpoint_restore``, ``checkpoint_stall_async: <%> % of a step (state copy <s> s,
-background write <s> s)`` and, final, ``checkpoint_save: <MB/s> MB/s (dd conv=fsync: <MB/s> MB/s, <ratio>x)``.
+Last lines: ``checkpoint_stall``, ``checkpoint_restore``, ``checkpoint_stall_async: <%> % of a step (learner snapshot
+<s> s, background copy + write <s> s)`` and, final, ``checkpoint_save: <MB/s> MB/s (dd conv=fsync: <MB/s> MB/s, <ratio>x)``.
 """
 
 from __future__ import annotations
@@ -258,13 +261,16 @@ def async_stall(rank: int, repeats: int, root: Path) -> list[dict[str, float]]:
 
     On a local Ray started by the trainer's own ``init_ray(local=True)`` (2 CPUs here, no dashboard), a
     :func:`bench_learner_class` actor (``num_cpus=0.5``, the trainer's CPU option) holds the state. Per repeat the
-    loop stall is the time of ``CheckpointWriter.save`` (``ray.get(learner.checkpoint_state.remote())`` + queueing
-    ``CheckpointManager.save`` on the writer thread); the write is then waited for (so the next save does not wait
-    for it) and its duration taken from ``CheckpointInfo.seconds``. One warm-up repeat first, not returned.
+    loop stall is the time from calling ``CheckpointWriter.save`` until a trivial learner call made right after it
+    (``n_params``) returns: what the next step waits before the learner can publish its adapter. The write is then
+    waited for (so the next save does not wait for it); its total (state copy into this process + file write) is
+    timed around ``settle`` and the file write alone taken from ``CheckpointInfo.seconds``. One warm-up repeat
+    first, not returned.
 
     Returns:
         one dict per repeat: ``stall`` (seconds the loop waited), ``write`` (seconds of ``CheckpointManager.save``
-        in the writer thread), ``bytes`` (checkpoint size).
+        in the writer thread), ``background`` (seconds from the end of the stall until the checkpoint committed:
+        the copy into this process plus the write), ``bytes`` (checkpoint size).
     """
     import ray
 
@@ -285,15 +291,17 @@ def async_stall(rank: int, repeats: int, root: Path) -> list[dict[str, float]]:
                 step = 1000 + rep
                 state = trainer_state(step)
                 t0 = time.perf_counter()
-                checkpointer.save(step, learner, state)  # what Trainer.train's loop waits for
+                checkpointer.save(step, learner, state)  # what Trainer.train's loop calls ...
+                ray.get(learner.n_params.remote())  # ... and the learner's next task, queued behind the snapshot
                 t1 = time.perf_counter()
-                info = checkpointer.settle(final=True)  # the write, timed by CheckpointManager.save itself
+                info = checkpointer.settle(final=True)  # the copy + write; the write timed by CheckpointManager.save
+                t2 = time.perf_counter()
                 if rep == 0:
                     print(f"  async warm-up: loop stall {t1 - t0:.2f} s, write {info.seconds:.2f} s", flush=True)
                     continue
-                rows.append({"stall": t1 - t0, "write": info.seconds, "bytes": info.bytes})
-                print(f"  async repeat {rep}: loop stall (state copy + submit) {t1 - t0:.2f} s, background write "
-                      f"{info.seconds:.2f} s", flush=True)
+                rows.append({"stall": t1 - t0, "write": info.seconds, "background": t2 - t1, "bytes": info.bytes})
+                print(f"  async repeat {rep}: loop stall (learner snapshot) {t1 - t0:.2f} s, background copy + write "
+                      f"{t2 - t1:.2f} s (write {info.seconds:.2f} s)", flush=True)
         finally:
             checkpointer.close()
         return rows
@@ -436,23 +444,25 @@ def main(argv=None) -> int:
           f"(verl #7203); max {100 * save_s.max / STEP_SECONDS_8B:.1f}%")
     loop_s = summarize([r["stall"] for r in arows])
     write_s = summarize([r["write"] for r in arows])
+    back_s = summarize([r["background"] for r in arows])
     interval = CheckpointSpec.model_fields["interval_steps"].default  # spec.checkpoint.intervalSteps default
     budget = interval * STEP_SECONDS_8B
-    print(f"async (grpo.CheckpointWriter: Ray learner actor -> ray.get -> 1-thread writer), {len(arows)} repeats:")
-    print(f"  loop stall (state copy + submit) {loop_s.fmt(2, 's')} = {100 * loop_s.median / STEP_SECONDS_8B:.1f}% of "
+    print(f"async (grpo.CheckpointWriter: learner snapshot into Ray's object store; ray.get + write on 1 thread), "
+          f"{len(arows)} repeats:")
+    print(f"  loop stall (learner snapshot)    {loop_s.fmt(2, 's')} = {100 * loop_s.median / STEP_SECONDS_8B:.1f}% of "
           f"a {STEP_SECONDS_8B:.0f} s step (max {100 * loop_s.max / STEP_SECONDS_8B:.1f}%); "
           f"{100 * loop_s.median / STEP_SECONDS_9B:.2f}% of {STEP_SECONDS_9B:.0f} s")
-    print(f"  background write (writer thread) {write_s.fmt(2, 's')}; must stay under interval x step = "
-          f"{interval} (default intervalSteps) x {STEP_SECONDS_8B:.0f} s = {budget:.0f} s or the next "
-          f"save waits in settle(): {'holds' if write_s.max < budget else 'DOES NOT hold'} "
-          f"(it holds down to intervalSteps = {max(1, math.ceil(write_s.max / STEP_SECONDS_8B))})")
+    print(f"  background copy + write          {back_s.fmt(2, 's')} (write alone {write_s.fmt(2, 's')}); must stay "
+          f"under interval x step = {interval} (default intervalSteps) x {STEP_SECONDS_8B:.0f} s = {budget:.0f} s or "
+          f"the next save waits in settle(): {'holds' if back_s.max < budget else 'DOES NOT hold'} "
+          f"(it holds down to intervalSteps = {max(1, math.ceil(back_s.max / STEP_SECONDS_8B))})")
     print()
     print(f"checkpoint_stall: {100 * save_s.median / STEP_SECONDS_8B:.1f} % of a step "
           f"(anchor: 5 % target, {STEP_SECONDS_8B:.0f} s 8B GRPO step)")
     print(figure_line("checkpoint_restore", rest_mbs.median, "MB/s", "dd read, caches dropped", dd_r.median,
                       rest_mbs.median / dd_r.median, digits=0))
-    print(f"checkpoint_stall_async: {100 * loop_s.median / STEP_SECONDS_8B:.1f} % of a step (state copy + submit "
-          f"{loop_s.median:.2f} s, background write {write_s.median:.2f} s)")
+    print(f"checkpoint_stall_async: {100 * loop_s.median / STEP_SECONDS_8B:.1f} % of a step (learner snapshot "
+          f"{loop_s.median:.2f} s, background copy + write {back_s.median:.2f} s)")
     print(figure_line("checkpoint_save", save_mbs.median, "MB/s", "dd conv=fsync", dd_w.median,
                       save_mbs.median / dd_w.median, digits=0))
     return 0

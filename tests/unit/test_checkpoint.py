@@ -34,10 +34,13 @@ from daedalus_trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
     CheckpointSaveError,
+    PackedTensor,
     TrainerState,
     capture_rng_state,
     export_adapter,
     list_checkpoints,
+    pack_tensors,
+    unpack_tensors,
     load_checkpoint,
     load_latest,
     resolve_resume,
@@ -478,3 +481,34 @@ def test_bad_arguments_are_rejected_before_writing(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="not JSON serialisable"):
         manager.save(1, adapter, opt_state, TrainerState(extra={"obj": object()}))
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_packed_tensors_round_trip_bit_exactly_and_come_back_writable() -> None:
+    """What the learner ships to the checkpoint writer: an AdamW state_dict and an adapter, packed as byte views and
+    unpacked from read-only buffers (what ``ray.get`` returns) into equal, writable tensors of the same dtype."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.AdamW([w], lr=1e-3)
+    w.grad = torch.randn(4, 3)
+    opt.step()
+    state = {"adapter": {"a": torch.randn(2, 5), "b16": torch.randn(3, 2).to(torch.bfloat16),
+                         "strided": torch.arange(12, dtype=torch.int64).reshape(3, 4).t()},
+             "optimizer": opt.state_dict(), "note": ("kept", 3)}
+    packed = pack_tensors(state)
+    leaf = packed["adapter"]["b16"]
+    assert isinstance(leaf, PackedTensor) and leaf.dtype == "bfloat16" and leaf.shape == (3, 2)
+    assert leaf.data.dtype == np.uint8 and leaf.data.nbytes == 3 * 2 * 2
+    assert isinstance(packed["optimizer"]["state"][0]["step"], PackedTensor)  # 0-dim tensor
+    for t in (leaf, packed["adapter"]["a"]):
+        t.data.setflags(write=False)  # as mapped from Ray's object store
+    back = unpack_tensors(packed)
+    for k, v in state["adapter"].items():
+        assert back["adapter"][k].dtype == v.dtype and torch.equal(back["adapter"][k], v)
+    got, want = back["optimizer"], state["optimizer"]
+    assert got["param_groups"] == want["param_groups"] and back["note"] == ("kept", 3)
+    for k in ("step", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(got["state"][0][k], want["state"][0][k]) and got["state"][0][k].shape == want["state"][0][k].shape
+    back["adapter"]["b16"].add_(1)  # writable, and no longer the sender's memory
+    assert not torch.equal(back["adapter"]["b16"], state["adapter"]["b16"])
+    opt.load_state_dict(got)  # what a resumed learner does with it
+    opt.step()

@@ -146,10 +146,18 @@ class Learner:
         cfg = self.policy.model.peft_config["default"].to_dict()
         return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
 
-    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    def checkpoint_state(self, packed: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """``(adapter tensors, adapter config, optimizer state_dict)`` for :class:`~daedalus_trainer.checkpoint.
-        CheckpointManager`."""
-        return self.adapter_state(), self.adapter_config(), self.optimizer.state_dict()
+        CheckpointManager`. With ``packed`` every tensor is a :class:`~daedalus_trainer.checkpoint.PackedTensor`
+        (a byte view, no copy here): what a Ray call should ask for, because Ray then copies the state into its
+        object store in one pass when this call returns (before the learner's next task can change it) and a
+        ``ray.get`` maps it without copying (:func:`~daedalus_trainer.checkpoint.unpack_tensors` restores tensors)."""
+        state = (self.adapter_state(), self.adapter_config(), self.optimizer.state_dict())
+        if not packed:
+            return state
+        from daedalus_trainer.checkpoint import pack_tensors
+
+        return pack_tensors(state[0]), state[1], pack_tensors(state[2])
 
     def restore(self, adapter: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
         """Load adapter weights and optimizer state from a checkpoint.

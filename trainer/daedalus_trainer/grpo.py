@@ -202,11 +202,15 @@ class TrainResult:
 class CheckpointWriter:
     """Writes a trainer's checkpoints on one background thread, in step order, one at a time.
 
-    :meth:`save` copies the learner actor's state out (``ray.get(learner.checkpoint_state.remote())``: adapter
-    tensors, adapter config and optimizer ``state_dict`` arrive as copies through Ray's object store), waits for a
-    previous write that is still running, and queues :meth:`CheckpointManager.save
-    <daedalus_trainer.checkpoint.CheckpointManager.save>`; the caller goes on with the next step while the files are
-    written and fsynced. The training loop therefore stalls only for the copy (``bench/checkpoint.py`` measures it).
+    :meth:`save` asks the learner actor for its state (``learner.checkpoint_state.remote(packed=True)``: adapter
+    tensors, adapter config and optimizer ``state_dict``, tensors as byte views,
+    :class:`~daedalus_trainer.checkpoint.PackedTensor`), waits for a previous write that is still running, and queues
+    the rest on the writer thread: fetching that state (``ray.get``, which maps it without copying), unpacking it and
+    :meth:`CheckpointManager.save <daedalus_trainer.checkpoint.CheckpointManager.save>`. The snapshot is exact: an
+    actor runs its tasks one at a time and Ray copies a task's return value into the object store when the task
+    returns, so the learner's next ``update`` cannot change what is saved. The caller goes on at once; the learner is
+    busy only for that one copy (its next task, the next step's adapter publication, waits for it), and the files'
+    write and fsync overlap the next step (``bench/checkpoint.py`` measures the stall).
 
     Args:
         manager: the job's :class:`~daedalus_trainer.checkpoint.CheckpointManager`.
@@ -225,9 +229,13 @@ class CheckpointWriter:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="daedalus-checkpoint")
         self._pending: list[Future] = []
 
-    def _write(self, step: int, adapter, config, optimizer_state, trainer_state) -> Any:
-        from daedalus_trainer.checkpoint import AdapterState, CheckpointSaveError
+    def _write(self, step: int, state_ref, trainer_state) -> Any:
+        import ray
 
+        from daedalus_trainer.checkpoint import AdapterState, CheckpointSaveError, unpack_tensors
+
+        adapter, config, optimizer_state = ray.get(state_ref)
+        adapter, optimizer_state = unpack_tensors(adapter), unpack_tensors(optimizer_state)
         try:
             info = self.manager.save(step, AdapterState(adapter, config), optimizer_state, trainer_state)
         except CheckpointSaveError as exc:
@@ -239,13 +247,12 @@ class CheckpointWriter:
         return info
 
     def save(self, step: int, learner, trainer_state) -> None:
-        """Copy ``learner``'s state (a Ray actor handle of :class:`~daedalus_trainer.actors.Learner`) and queue its
-        checkpoint at ``step`` with ``trainer_state``; returns once the write is queued, not written."""
-        import ray
-
-        adapter, config, optimizer_state = ray.get(learner.checkpoint_state.remote())
+        """Snapshot ``learner``'s state (a Ray actor handle of :class:`~daedalus_trainer.actors.Learner`) and queue
+        its checkpoint at ``step`` with ``trainer_state``; returns once the write is queued, not written. A learner
+        that died before returning its state fails the next :meth:`settle` with Ray's error."""
+        state_ref = learner.checkpoint_state.remote(packed=True)  # ordered before any later task of the learner
         self.settle()
-        self._pending.append(self._writer.submit(self._write, step, adapter, config, optimizer_state, trainer_state))
+        self._pending.append(self._writer.submit(self._write, step, state_ref, trainer_state))
 
     def settle(self, final: bool = False) -> Any:
         """Wait for the queued writes; return the newest committed ``CheckpointInfo`` (or the resume point).
@@ -253,6 +260,7 @@ class CheckpointWriter:
         Raises:
             daedalus_trainer.checkpoint.CheckpointSaveError: a write failed and ``final`` is set (a failed
                 intermediate write is reported through ``on_failed`` and otherwise skipped).
+            ray.exceptions.RayError: the learner failed or died before returning its state.
         """
         from daedalus_trainer.checkpoint import CheckpointSaveError
 
