@@ -82,3 +82,23 @@ def test_all_equal_rewards_skip_the_update(tiny_checkpoint):  # noqa: F811
     assert stats.skipped and stats.updates == 0 and stats.zero_variance_groups == 2
     after = learner.adapter_state()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_packed_adapter_publication_loads_the_same_weights(tiny_checkpoint):  # noqa: F811
+    """The adapter as the trainer publishes it through Ray (byte views, read-only on arrival) makes a rollout worker
+    play exactly the episodes it plays with the adapter's tensors."""
+    from daedalus_trainer.actors import RolloutWorker
+
+    job = make_tiny_job(tiny_checkpoint, algorithm={"learningRate": 0.01}, environment={"maxTurns": 3})
+    learner = Learner(job, None, str(tiny_checkpoint.parent))
+    learner.update(_rollouts(learner, job), GROUP)  # a non-zero LoRA B, so that loading it matters
+    packed = learner.adapter_state(packed=True)
+    for p in packed.values():
+        p.data.setflags(write=False)
+    mazes = [maze_from_seed(7, s) for s in (3, 4)]
+    plain = RolloutWorker(job, None, str(tiny_checkpoint.parent)).rollout(mazes, 5, learner.adapter_state(), 1)
+    worker = RolloutWorker(job, None, str(tiny_checkpoint.parent))
+    got = worker.rollout(mazes, 5, packed, 1)
+    assert [[t.completion_ids for t in e.turns] for e in got] == [[t.completion_ids for t in e.turns] for e in plain]
+    state = worker.engine.policy.adapter_state()
+    assert all(torch.equal(state[k], v) for k, v in learner.adapter_state().items())

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from daedalus_trainer.checkpoint import pack_tensors, unpack_tensors
 from daedalus_trainer.config import RLTrainingJob
 
 
@@ -69,8 +70,9 @@ class RolloutWorker:
         self.engine = TransformersEngine(policy, max_batch=max_batch)
         self.loaded_version = -1
 
-    def rollout(self, mazes: Sequence[Any], seed: int, adapter: dict[str, torch.Tensor], version: int) -> list[Any]:
-        """One episode per maze with adapter ``version`` (loaded first if new), sampling seeded by ``seed``.
+    def rollout(self, mazes: Sequence[Any], seed: int, adapter: dict[str, Any], version: int) -> list[Any]:
+        """One episode per maze with adapter ``version`` (loaded first if new; tensors or
+        :class:`~daedalus_trainer.checkpoint.PackedTensor` s), sampling seeded by ``seed``.
 
         Returns:
             list of :class:`~daedalus_trainer.rollout.episode.Trajectory`, in the order of ``mazes``.
@@ -79,7 +81,7 @@ class RolloutWorker:
         from daedalus_trainer.rollout.episode import run_episodes
 
         if version != self.loaded_version:
-            self.engine.load_adapter(adapter, version)
+            self.engine.load_adapter(unpack_tensors(adapter), version)
             self.loaded_version = version
         algo = self.job.spec.algorithm
         sampling = SamplingParams(algo.temperature, algo.top_p, algo.max_tokens_per_turn)
@@ -87,13 +89,13 @@ class RolloutWorker:
             return run_episodes(self.engine, list(mazes), self.job.spec.environment, sampling, seed=seed)
 
 
-    def evaluate(self, mazes: Sequence[Any], adapter: dict[str, torch.Tensor], version: int) -> list[bool]:
+    def evaluate(self, mazes: Sequence[Any], adapter: dict[str, Any], version: int) -> list[bool]:
         """Greedy episodes on ``mazes`` with adapter ``version``; returns success per maze (held-out evaluation)."""
         from daedalus_trainer.rollout.engine import SamplingParams
         from daedalus_trainer.rollout.episode import run_episodes
 
         if version != self.loaded_version:
-            self.engine.load_adapter(adapter, version)
+            self.engine.load_adapter(unpack_tensors(adapter), version)
             self.loaded_version = version
         greedy = SamplingParams(0.0, 1.0, self.job.spec.algorithm.max_tokens_per_turn)
         with torch.no_grad():
@@ -137,9 +139,12 @@ class Learner:
         self.micro_batch = micro_batch
 
     # -- adapter and checkpoint state ------------------------------------------------------------------------------
-    def adapter_state(self) -> dict[str, torch.Tensor]:
-        """LoRA weights (CPU tensors, PEFT key names): what the engines load."""
-        return self.policy.adapter_state()
+    def adapter_state(self, packed: bool = False) -> dict[str, Any]:
+        """LoRA weights (CPU tensors, PEFT key names): what the engines load. With ``packed``, as
+        :class:`~daedalus_trainer.checkpoint.PackedTensor` byte views: what a Ray call should ask for (one copy into
+        the object store, none out of it; :class:`RolloutWorker` unpacks), the adapter being published every step."""
+        state = self.policy.adapter_state()
+        return pack_tensors(state) if packed else state
 
     def adapter_config(self) -> dict[str, Any]:
         """The PEFT ``adapter_config.json`` content of the adapter."""
@@ -153,11 +158,7 @@ class Learner:
         object store in one pass when this call returns (before the learner's next task can change it) and a
         ``ray.get`` maps it without copying (:func:`~daedalus_trainer.checkpoint.unpack_tensors` restores tensors)."""
         state = (self.adapter_state(), self.adapter_config(), self.optimizer.state_dict())
-        if not packed:
-            return state
-        from daedalus_trainer.checkpoint import pack_tensors
-
-        return pack_tensors(state[0]), state[1], pack_tensors(state[2])
+        return (pack_tensors(state[0]), state[1], pack_tensors(state[2])) if packed else state
 
     def restore(self, adapter: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
         """Load adapter weights and optimizer state from a checkpoint.

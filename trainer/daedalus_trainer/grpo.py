@@ -409,7 +409,7 @@ class Trainer:
             mazes = sampler.mazes(step, algo.mazes_per_step)
             episodes = [m for m in mazes for _ in range(algo.group_size)]
             # rollout with the current adapter (version = steps trained so far)
-            adapter_ref = learner.adapter_state.remote()
+            adapter_ref = learner.adapter_state.remote(packed=True)
             parts = _split(episodes, len(workers))
             futures = [w.rollout.remote(part, step_seed(algo.seed, step, i), adapter_ref, step)
                        for i, (w, part) in enumerate(zip(workers, parts)) if part]
@@ -463,7 +463,7 @@ class Trainer:
 
         self.control.set_status(phase="evaluating")
         mazes = eval_mazes(self.job.spec.environment)
-        adapter_ref = learner.adapter_state.remote()
+        adapter_ref = learner.adapter_state.remote(packed=True)
         parts = _split(mazes, len(workers))
         wins = [ok for chunk in ray.get([w.evaluate.remote(p, adapter_ref, step) for w, p in zip(workers, parts) if p])
                 for ok in chunk]
