@@ -15,7 +15,7 @@ Each step draws ``batch_size`` mazes from ``(sft.seed, step)`` and one uniformly
 step ``k`` does not depend on what ran before, and a resumed run sees the same data as an uninterrupted one.
 
 On-policy states (DAgger; Ross, Gordon and Bagnell 2011, "A Reduction of Imitation Learning and Structured Prediction
-to No-Regret Online Learning", arXiv:1011.0686): with ``sft.onPolicyFraction = f > 0``, ``round(f * batchSize)`` turns
+to No-Regret Online Learning", arXiv:1011.0686): with ``sft.onPolicyFraction = f > 0``, ``f * batchSize`` (rounded) turns
 of each batch come from an :class:`OnPolicyPool` instead of demonstrations: every ``sft.onPolicyEvery`` steps the
 current policy plays :data:`POOL_MAZES` training mazes greedily and each distinct state it visits is labelled with the
 solver's action from there. Demonstrations show the states an expert visits; the pool shows the states the policy's own
@@ -256,10 +256,7 @@ class OnPolicyPool:
                                      SamplingParams(temperature=0.0, max_tokens=max_tokens))
         finally:
             policy.model.train(was)
-        replies = [[t.text for t in traj.turns] for traj in trajs]
-        pool = cls.replay(env_spec, sampler, round_, replies)
-        pool.success = sum(t.success for t in trajs) / max(1, len(trajs))
-        return pool
+        return cls.replay(env_spec, sampler, round_, [[t.text for t in traj.turns] for traj in trajs])
 
     @classmethod
     def replay(cls, env_spec: Any, sampler: TrainingSampler, round_: int, replies: list[list[str]]) -> OnPolicyPool:
@@ -524,9 +521,11 @@ def run_sft(
     try:
         while budget_left():
             t0, c0 = time.perf_counter(), time.process_time()
-            if n_policy and (pool is None or state.step % every == 0):  # counts towards the budget
-                refresh_pool()
             sequences = upcoming.result()
+            # The pool is refreshed while no prefetch runs: its rollouts and the prefetch share the processor (a
+            # fast tokenizer must not be used from two threads at once). Its seconds count towards the budget.
+            if n_policy and (pool is None or state.step % every == 0):
+                refresh_pool()
             upcoming = prefetch.submit(source.batch, state.step + 1, n_demo)
             if n_policy:
                 rng = np.random.default_rng([spec.sft.seed, state.step, 7919])
