@@ -1,8 +1,8 @@
 """GRPO against more SFT: the same starting checkpoint, the same wall-clock budget, the same held-out mazes.
 
 Question (issue #4): once a policy has been fine-tuned on solver demonstrations, is the next budget of compute better
-spent on GRPO (reward only for reaching the goal) or on more supervised fine-tuning on the same perfect solver's
-demonstrations?
+spent on GRPO (reward only for reaching the goal) or on more supervised fine-tuning with the same perfect solver
+(its demonstrations and, with the job's ``sft.onPolicyFraction``, its labels on the policy's own states: DAgger)?
 
 Method:
 
@@ -11,10 +11,11 @@ Method:
 2. Arm **GRPO**: the job's GRPO (LoRA adapter, group size, mazes per step, learning rate...) on a local Ray, stopped
    when the summed rollout + learner seconds reach ``--budget``; a checkpoint is requested at every ``budget / points``
    seconds of training.
-3. Arm **SFT**: a LoRA adapter of the same rank and targets on the same start, trained on solver demonstrations
-   (``daedalus_trainer.sft``: the training layouts only, batch ``sft.batchSize``, AdamW at ``--sft-lr``, default the
-   GRPO learning rate, warmup-stable-decay over the budget) for ``--budget`` training seconds, with a snapshot of the
-   adapter at the same marks.
+3. Arm **SFT**: a LoRA adapter of the same rank and targets on the same start, trained by ``daedalus_trainer.sft``
+   with the job's SFT settings (solver demonstrations on the training layouts only and, with ``sft.onPolicyFraction``,
+   solver-labelled states from the policy's own greedy episodes; batch ``sft.batchSize``, AdamW at ``--sft-lr``,
+   default the GRPO learning rate, warmup-stable-decay over the budget) for ``--budget`` training seconds (the
+   on-policy rollouts included), with a snapshot of the adapter at the same marks.
 4. Every snapshot of both arms (and the start) is evaluated greedily on the held-out mazes at each ``--sizes`` (size 7
    is the training size; the held-out set excludes training layouts by hash; size 9 is never trained on, so all its
    layouts are unseen). Evaluation time is not counted in the budget.
@@ -119,7 +120,7 @@ def run_grpo(doc: dict[str, Any], start: Path, out: Path, budget: float, marks: 
 
 def run_more_sft(doc: dict[str, Any], start: Path, out: Path, budget: float, marks: list[float],
                  lr: float) -> dict[str, Any]:
-    """Arm SFT: a LoRA adapter on ``start`` trained on solver demonstrations for ``budget`` seconds."""
+    """Arm SFT: a LoRA adapter on ``start`` trained with the job's SFT settings for ``budget`` seconds."""
     from daedalus_trainer import sft
     from daedalus_trainer.config import parse_job
 

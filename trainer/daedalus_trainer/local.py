@@ -156,7 +156,8 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         table.add_row(name, f"{g['success_rate']:.1%}", f"[{g['ci_low']:.1%}, {g['ci_high']:.1%}]",
                       f"{s['success_rate']:.1%}" if s else "-", f"{g['mean_turns']:.1f}")
     console.print(table)
-    console.print(f"GRPO steps: {report['steps']}  wall time: {report['wall_seconds']:.0f} s  "
+    console.print(f"GRPO steps: {report['steps']} in {report['grpo_wall_seconds']:.0f} s  "
+                  f"whole run: {report['wall_seconds']:.0f} s  "
                   f"adapter: {result.adapter_dir}  curves: {curves}  report: {run_dir / 'report.json'}")
     return 0
 
