@@ -154,7 +154,8 @@ class Learner:
     def checkpoint_state(self, packed: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """``(adapter tensors, adapter config, optimizer state_dict)`` for :class:`~daedalus_trainer.checkpoint.
         CheckpointManager`. With ``packed`` every tensor is a :class:`~daedalus_trainer.checkpoint.PackedTensor`
-        (a byte view, no copy here): what a Ray call should ask for, because Ray then copies the state into its
+        (a byte view; the adapter tensors are the copies :meth:`adapter_state` makes, the optimizer moments are not
+        copied here): what a Ray call should ask for, because Ray then copies the state into its
         object store in one pass when this call returns (before the learner's next task can change it) and a
         ``ray.get`` maps it without copying (:func:`~daedalus_trainer.checkpoint.unpack_tensors` restores tensors)."""
         state = (self.adapter_state(), self.adapter_config(), self.optimizer.state_dict())
