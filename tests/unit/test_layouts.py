@@ -15,6 +15,7 @@ from daedalus_trainer.layouts import (
     eval_layout_hashes,
     eval_mazes,
     possible_layouts,
+    training_eval_mazes,
 )
 
 
@@ -41,6 +42,19 @@ def test_training_sampler_never_yields_eval_layouts_and_covers_the_rest():
     # deterministic per (seed, step, index), independent of call order
     assert sampler.maze(5, 3) == TrainingSampler.for_env(env(), seed=0).mazes(5, 4)[3]
     assert sampler.mazes(5, 4) != TrainingSampler.for_env(env(), seed=1).mazes(5, 4)
+
+
+def test_training_eval_set_is_on_training_layouts_distinct_and_deterministic():
+    a = training_eval_mazes(env())
+    hashes = [m.layout_hash() for m in a]
+    assert len(a) == 64 and a == training_eval_mazes(env()) and len(set(hashes)) == 64
+    assert not set(hashes) & eval_layout_hashes(env())  # none of them is held out
+    assert training_eval_mazes(env(), n=5) == a[:5]
+    other = training_eval_mazes(env(seed=1))
+    assert other != a and not {m.layout_hash() for m in other} & eval_layout_hashes(env(seed=1))
+    # when the evaluation set leaves exactly as many training layouts (96 of 192), the set is all of them
+    every = {m.layout_hash() for m in training_eval_mazes(env(n=96))}
+    assert len(every) == 96 and every.isdisjoint(eval_layout_hashes(env(n=96)))
 
 
 def test_report_counts_possible_and_excluded_layouts():

@@ -271,6 +271,20 @@ def test_run_eval_reports_json_table_and_gifs(tiny_checkpoint, tmp_path):
     assert "greedy" in text and "sampled (T=1)" in text and "0.0% (0/4)" in text and "192 possible layouts" in text
 
 
+def test_run_eval_on_training_layouts(tiny_checkpoint):
+    from daedalus_trainer.layouts import eval_layout_hashes, training_eval_mazes
+
+    job = make_tiny_job(None, environment={"evalMazes": 16, "maxTurns": 2})
+    rep = evaluation.run_eval(job, tiny_checkpoint, sampled=False, n=3, split="training")
+    assert rep.split == "training" and json.loads(rep.to_json())["split"] == "training"
+    assert rep.mazes == 3 and [r.mode for r in rep.results] == ["greedy"] and rep.results[0].episodes == 3
+    env = job.spec.environment
+    assert not {m.layout_hash() for m in training_eval_mazes(env, 3)} & eval_layout_hashes(env)
+    assert evaluation.run_eval(job, tiny_checkpoint, sampled=False, n=1).split == "held-out"
+    with pytest.raises(ValueError, match="unknown split 'train'"):
+        evaluation.run_eval(job, tiny_checkpoint, split="train")
+
+
 def test_summarize_counts_turn_rates_and_optimal_ratio(tiny_policy, tiny_job):
     env = tiny_job.spec.environment
     mazes = [maze_from_seed(7, s) for s in range(3)]

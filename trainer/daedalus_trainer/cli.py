@@ -121,7 +121,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     job = _load(args.config)
     report = evaluation.run_eval(
         job, args.model, adapter_path=args.adapter, greedy=True, sampled=not args.greedy_only,
-        gif_dir=args.gif, n=args.mazes,
+        gif_dir=args.gif, n=args.mazes, split=args.split,
     )
     from rich.console import Console
 
@@ -187,7 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("config", help="RLTrainingJob YAML (environment and eval set)")
     s.add_argument("--model", required=True, help="model directory")
     s.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory")
-    s.add_argument("--mazes", type=int, default=None, help="evaluate on the first N held-out mazes")
+    s.add_argument("--mazes", type=int, default=None, help="evaluate on the first N mazes of the set")
+    s.add_argument("--split", choices=("held-out", "training"), default="held-out",
+                   help="held-out: the evaluation layouts, excluded from training (default); training: as many mazes "
+                        "on layouts training draws from (what training learned where it trained)")
     s.add_argument("--greedy-only", action="store_true", help="skip sampled evaluation")
     s.add_argument("--json", default=None, help="write the report as JSON here")
     s.add_argument("--gif", default=None, help="write animated GIFs of some episodes to this directory")

@@ -26,7 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from daedalus_trainer.layouts import LayoutReport, check_layouts, eval_mazes
+from daedalus_trainer.layouts import LayoutReport, check_layouts, eval_mazes, training_eval_mazes
+
+#: The maze sets :func:`run_eval` can evaluate on: the held-out layouts (the figure that counts) and as many mazes
+#: on training layouts (:func:`~daedalus_trainer.layouts.training_eval_mazes`: what training learned where it trained).
+SPLITS = ("held-out", "training")
 from daedalus_trainer.rollout.engine import RolloutEngine, SamplingParams
 from daedalus_trainer.rollout.episode import Trajectory, run_episodes
 
@@ -122,6 +126,8 @@ class EvalReport:
     layouts: LayoutReport
     results: list[ModeResult] = field(default_factory=list)
     gifs: list[str] = field(default_factory=list)
+    split: str = "held-out"
+    """Which mazes: ``held-out`` (layouts excluded from training) or ``training`` (see :data:`SPLITS`)."""
 
     def result(self, mode: str) -> ModeResult:
         """The result of ``mode`` (``greedy`` or ``sampled``).
@@ -139,7 +145,7 @@ class EvalReport:
         return {
             "job": self.job, "model_path": self.model_path, "adapter_path": self.adapter_path, "size": self.size,
             "mazes": self.mazes, "layouts": self.layouts.to_dict(), "results": [r.to_dict() for r in self.results],
-            "gifs": self.gifs,
+            "gifs": self.gifs, "split": self.split,
         }
 
     def to_json(self) -> str:
@@ -150,7 +156,7 @@ class EvalReport:
         """A ``rich.table.Table`` with one row per decoding mode."""
         from rich.table import Table
 
-        t = Table(title=f"{self.job}: held-out evaluation, {self.mazes} mazes of size {self.size} "
+        t = Table(title=f"{self.job}: {self.split} evaluation, {self.mazes} mazes of size {self.size} "
                         f"({self.layouts.summary()})")
         for col in ("mode", "success", "95% CI", "mean turns", "turns/optimal", "parse failures", "wall bumps"):
             t.add_column(col, justify="left" if col == "mode" else "right")
@@ -201,8 +207,10 @@ def run_eval(
     n: int | None = None,
     *,
     gifs: int = 4,
+    split: str = "held-out",
 ) -> EvalReport:
-    """Evaluate a model (and optional LoRA adapter) on the job's held-out mazes.
+    """Evaluate a model (and optional LoRA adapter) on the job's held-out mazes (or, with ``split="training"``, on as
+    many mazes on training layouts).
 
     Args:
         job: ``RLTrainingJob``.
@@ -211,22 +219,26 @@ def run_eval(
         greedy / sampled: which decoding modes to run (sampled uses ``algorithm.temperature`` / ``top_p``, seeded
             from ``environment.evalSeed``).
         gif_dir: write GIFs of up to ``gifs`` greedy episodes there (half successes, half failures when both exist).
-        n: evaluate only the first ``n`` held-out mazes.
+        n: evaluate only the first ``n`` mazes of the set.
+        split: ``held-out`` (:func:`~daedalus_trainer.layouts.eval_mazes`) or ``training``
+            (:func:`~daedalus_trainer.layouts.training_eval_mazes`).
 
     Raises:
         FileNotFoundError: no checkpoint at ``model_path`` / no adapter at ``adapter_path``.
         daedalus_trainer.layouts.LayoutError: invalid held-out configuration.
-        ValueError: neither mode requested.
+        ValueError: neither mode requested, or an unknown ``split``.
     """
     from daedalus_trainer.policy import load_pretrained
     from daedalus_trainer.rollout.engine import TransformersEngine
 
     if not (greedy or sampled):
         raise ValueError("nothing to evaluate: enable greedy and/or sampled")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     spec = job.spec
     env = spec.environment
     layouts = check_layouts(env)
-    mazes = eval_mazes(env, n)
+    mazes = eval_mazes(env, n) if split == "held-out" else training_eval_mazes(env, n)
     policy = load_pretrained(model_path, spec.model.dtype)
     if adapter_path:
         policy.load_adapter(adapter_path, trainable=False)
@@ -234,7 +246,7 @@ def run_eval(
     engine = TransformersEngine(policy)
     report = EvalReport(job=job.metadata.name, model_path=str(model_path),
                         adapter_path=str(adapter_path) if adapter_path else None, size=int(env.size),
-                        mazes=len(mazes), layouts=layouts)
+                        mazes=len(mazes), layouts=layouts, split=split)
     alg = spec.algorithm
     greedy_trajs: list[Trajectory] = []
     if greedy:

@@ -118,6 +118,23 @@ def check_layouts(env_spec: Any, min_training: int | None = None) -> LayoutRepor
     return report
 
 
+def _distinct_mazes(size: int, count: int, rng: np.random.Generator, excluded: frozenset[str] = frozenset()
+                    ) -> list[Maze]:
+    """``count`` mazes with distinct layouts not in ``excluded``, drawn in order from ``rng`` (repeats skipped)."""
+    seen: set[str] = set()
+    mazes: list[Maze] = []
+    for _ in range(MAX_ATTEMPTS_PER_MAZE * count):
+        maze = generate_maze(size, rng)
+        h = maze.layout_hash()
+        if h not in seen and h not in excluded:
+            seen.add(h)
+            mazes.append(maze)
+            if len(mazes) == count:
+                return mazes
+    # pragma: no cover - needs count close to the number of layouts and astronomically bad luck
+    raise LayoutError(f"could not draw {count} distinct layouts of size {size}")
+
+
 def eval_mazes(env_spec: Any, n: int | None = None) -> list[Maze]:
     """The held-out evaluation set: ``env_spec.eval_mazes`` mazes with distinct layouts, drawn in order from
     ``np.random.default_rng(env_spec.eval_seed)`` (a repeated layout is skipped). Deterministic.
@@ -130,20 +147,33 @@ def eval_mazes(env_spec: Any, n: int | None = None) -> list[Maze]:
         LayoutError: see :func:`check_layouts`.
     """
     check_layouts(env_spec)
-    size, count = int(env_spec.size), int(env_spec.eval_mazes)
-    rng = np.random.default_rng(int(env_spec.eval_seed))
-    seen: set[str] = set()
-    mazes: list[Maze] = []
-    for _ in range(MAX_ATTEMPTS_PER_MAZE * count):
-        maze = generate_maze(size, rng)
-        h = maze.layout_hash()
-        if h not in seen:
-            seen.add(h)
-            mazes.append(maze)
-            if len(mazes) == count:
-                break
-    else:  # pragma: no cover - needs count close to the number of layouts and astronomically bad luck
-        raise LayoutError(f"could not draw {count} distinct layouts of size {size}")
+    mazes = _distinct_mazes(int(env_spec.size), int(env_spec.eval_mazes), np.random.default_rng(int(env_spec.eval_seed)))
+    return mazes if n is None else mazes[: int(n)]
+
+
+#: Second key of the random stream of :func:`training_eval_mazes` (the held-out set uses ``eval_seed`` alone).
+TRAINING_EVAL_STREAM = 1
+
+
+def training_eval_mazes(env_spec: Any, n: int | None = None) -> list[Maze]:
+    """A set the size of the evaluation set, on *training* layouts: what training learned where it trained.
+
+    ``env_spec.eval_mazes`` mazes with distinct layouts outside the held-out set (so every one is a layout the
+    training samplers can draw), in order from ``np.random.default_rng([eval_seed, TRAINING_EVAL_STREAM])``.
+    Deterministic. Compared with :func:`eval_mazes`, it separates learning the mazes one trains on from learning
+    what carries to unseen layouts (at size 7 there are only 128 training layouts, so GRPO and SFT see each many
+    times).
+
+    Args:
+        env_spec: ``EnvironmentSpec``-like (``size``, ``eval_mazes``, ``eval_seed``).
+        n: return only the first ``n``.
+
+    Raises:
+        LayoutError: see :func:`check_layouts` (which guarantees at least ``eval_mazes`` training layouts).
+    """
+    check_layouts(env_spec)
+    rng = np.random.default_rng([int(env_spec.eval_seed), TRAINING_EVAL_STREAM])
+    mazes = _distinct_mazes(int(env_spec.size), int(env_spec.eval_mazes), rng, eval_layout_hashes(env_spec))
     return mazes if n is None else mazes[: int(n)]
 
 

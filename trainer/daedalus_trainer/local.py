@@ -4,10 +4,13 @@ Stages, each resumable (run the command again after an interrupt and it continue
 
 1. SFT starting point: `model.sftAdapter` if set, else (tiny model) supervised fine-tuning on solver demonstrations
    into ``runs/<name>/sft/``.
-2. Evaluation of the starting point on the held-out mazes (greedy and sampled), cached in ``eval-before.json``.
+2. Evaluation of the starting point on the held-out mazes (greedy and sampled), cached in ``eval-before.json``, and
+   greedy on as many mazes on training layouts (``eval-before-training.json``).
 3. GRPO with a LoRA adapter on a local Ray (`spec.cluster` is ignored), checkpoints in ``runs/<name>/checkpoints/``,
    metrics and control on http://127.0.0.1:<port>/metrics.
-4. Evaluation of the trained adapter, then a before/after table, ``report.json`` and ``curves.png``.
+4. Evaluation of the trained adapter (the same two sets), then a before/after table, ``report.json`` and
+   ``curves.png``. The held-out columns are the result; the training-layout column shows what training learned on
+   the layouts it trained on, so a gain there without one on held-out layouts reads as memorisation.
 """
 
 from __future__ import annotations
@@ -112,6 +115,13 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         before = _eval_summary(evaluation.run_eval(job, eval_model, adapter_path=start_adapter, greedy=True,
                                                    sampled=True))
         before_file.write_text(json.dumps(before, indent=2))
+    before_training_file = run_dir / "eval-before-training.json"
+    if before_training_file.is_file():
+        before_training = json.loads(before_training_file.read_text())
+    else:
+        before_training = _eval_summary(evaluation.run_eval(job, eval_model, adapter_path=start_adapter, greedy=True,
+                                                            sampled=False, split="training"))
+        before_training_file.write_text(json.dumps(before_training, indent=2))
 
     # 3. GRPO
     console.rule("GRPO (LoRA) on a local Ray")
@@ -138,10 +148,14 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     after = _eval_summary(evaluation.run_eval(job, eval_model, adapter_path=str(result.adapter_dir), greedy=True,
                                               sampled=True))
     (run_dir / "eval-after.json").write_text(json.dumps(after, indent=2))
+    after_training = _eval_summary(evaluation.run_eval(job, eval_model, adapter_path=str(result.adapter_dir),
+                                                       greedy=True, sampled=False, split="training"))
+    (run_dir / "eval-after-training.json").write_text(json.dumps(after_training, indent=2))
 
-    report = _report(job, before, after, result, time.perf_counter() - started)
+    report = _report(job, before, after, result, time.perf_counter() - started,
+                     training=(before_training, after_training))
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
-    curves = _plot_curves(result.history, run_dir / "curves.png", before, after)
+    curves = _plot_curves(result.history, run_dir / "curves.png", before, after, (before_training, after_training))
 
     table = Table(title=f"{job.metadata.name}: held-out success ({report['eval_mazes']} mazes, size "
                         f"{job.spec.environment.size}, layouts unseen in training)")
@@ -150,11 +164,13 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     table.add_column("95% CI", justify="right")
     table.add_column("sampled success", justify="right")
     table.add_column("mean turns", justify="right")
-    for name, ev in (("SFT start", before), ("after GRPO", after)):
+    table.add_column("greedy, training layouts", justify="right")
+    for name, ev, ev_training in (("SFT start", before, before_training), ("after GRPO", after, after_training)):
         g = _greedy(ev)
         s = _sampled(ev)
         table.add_row(name, f"{g['success_rate']:.1%}", f"[{g['ci_low']:.1%}, {g['ci_high']:.1%}]",
-                      f"{s['success_rate']:.1%}" if s else "-", f"{g['mean_turns']:.1f}")
+                      f"{s['success_rate']:.1%}" if s else "-", f"{g['mean_turns']:.1f}",
+                      f"{_greedy(ev_training)['success_rate']:.1%}")
     console.print(table)
     console.print(f"GRPO steps: {report['steps']} in {report['grpo_wall_seconds']:.0f} s  "
                   f"whole run: {report['wall_seconds']:.0f} s  "
@@ -175,8 +191,21 @@ def _sampled(ev: dict) -> dict | None:
     return _mode(ev, "sampled")
 
 
-def _report(job, before: dict, after: dict, result, wall: float) -> dict[str, Any]:
-    """The figures of ``report.json`` (keys fixed by the GRPO issue's acceptance)."""
+def _report(job, before: dict, after: dict, result, wall: float,
+            training: tuple[dict, dict] | None = None) -> dict[str, Any]:
+    """The figures of ``report.json``: ``success_before``/``success_after`` (greedy, held-out), their 95% Wilson
+    intervals ``ci95_before``/``ci95_after``, ``steps``, ``wall_seconds`` (keys fixed by the GRPO issue), sampled
+    success, GRPO seconds, and with ``training`` (the before/after evaluations on training layouts)
+    ``training_success_before``/``training_success_after``; the full evaluation reports under ``before``,
+    ``after``, ``before_training``, ``after_training``."""
+    extra: dict[str, Any] = {}
+    if training is not None:
+        extra = {
+            "training_success_before": _greedy(training[0])["success_rate"],
+            "training_success_after": _greedy(training[1])["success_rate"],
+            "before_training": training[0],
+            "after_training": training[1],
+        }
     return {
         "job": job.metadata.name,
         "success_before": _greedy(before)["success_rate"],
@@ -192,11 +221,14 @@ def _report(job, before: dict, after: dict, result, wall: float) -> dict[str, An
         "adapter": str(result.adapter_dir),
         "before": before,
         "after": after,
+        **extra,
     }
 
 
-def _plot_curves(history: list[dict], out: Path, before: dict, after: dict) -> Path:
-    """PNG of training reward/success, update loss and held-out success before/after."""
+def _plot_curves(history: list[dict], out: Path, before: dict, after: dict,
+                 training: tuple[dict, dict] | None = None) -> Path:
+    """PNG of training reward/success, turns per episode and update loss, with greedy success before/after on the
+    held-out layouts (and, given ``training``, on the training layouts) as horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -208,6 +240,11 @@ def _plot_curves(history: list[dict], out: Path, before: dict, after: dict) -> P
     axes[0].plot(steps, [h["reward_mean"] for h in history], "--", label="reward mean")
     axes[0].axhline(_greedy(before)["success_rate"], color="gray", lw=0.8, ls=":", label="held-out greedy, SFT")
     axes[0].axhline(_greedy(after)["success_rate"], color="green", lw=0.8, ls=":", label="held-out greedy, after")
+    if training is not None:
+        axes[0].axhline(_greedy(training[0])["success_rate"], color="gray", lw=0.8, ls="-.",
+                        label="training layouts greedy, SFT")
+        axes[0].axhline(_greedy(training[1])["success_rate"], color="orange", lw=0.8, ls="-.",
+                        label="training layouts greedy, after")
     axes[0].set_ylim(-0.02, 1.02)
     axes[0].set_xlabel("GRPO step")
     axes[0].legend(fontsize=7)

@@ -1,0 +1,74 @@
+"""`daedalus run JOB.yaml`, the main job, as a user runs it: its own process, its own local Ray, a tiny job.
+
+The job starts from the session's short-SFT checkpoint (``model.sftAdapter``), so the SFT stage is skipped; the
+rest is the real pipeline: evaluation before (held-out and training layouts), GRPO with checkpoints, evaluation
+after, the table, ``report.json`` (keys fixed by the GRPO issue) and ``curves.png``. Running it again resumes from
+the last checkpoint instead of training again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from support.jobs import tiny_job_dict
+
+pytestmark = pytest.mark.slow
+
+ISSUE_KEYS = {"success_before", "success_after", "ci95_before", "ci95_after", "steps", "wall_seconds"}
+
+
+def _run(job_file, runs_dir) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", TERM="dumb")
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "daedalus_trainer", "run", str(job_file), "--runs-dir", str(runs_dir), "--port", "0"],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+
+
+def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
+    job = tiny_job_dict(model={"sftAdapter": str(sft_start)}, environment={"evalMazes": 8},
+                        algorithm={"steps": 2, "mazesPerStep": 2, "groupSize": 2}, checkpoint={"intervalSteps": 1})
+    job["metadata"]["name"] = "run-e2e"
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    runs = tmp_path / "runs"
+
+    first = _run(job_file, runs)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run_dir = runs / "run-e2e"
+    report = json.loads((run_dir / "report.json").read_text())
+    assert ISSUE_KEYS <= report.keys()
+    assert report["steps"] == 2 and report["eval_mazes"] == 8
+    assert report["wall_seconds"] >= report["grpo_wall_seconds"] > 0
+    for when in ("before", "after"):
+        rate, (low, high) = report[f"success_{when}"], report[f"ci95_{when}"]
+        assert 0.0 <= low <= rate <= high <= 1.0 and high - low > 0.1  # Wilson interval of 8 episodes is wide
+        assert report[when]["split"] == "held-out" and report[f"{when}_training"]["split"] == "training"
+        assert report[f"{when}_training"]["mazes"] == 8
+        assert report[f"training_success_{when}"] == report[f"{when}_training"]["results"][0]["success_rate"]
+    assert report["success_before"] == json.loads((run_dir / "eval-before.json").read_text())["results"][0][
+        "success_rate"]
+    assert (run_dir / "exports" / "adapter" / "adapter_model.safetensors").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-")) == [
+        "step-000001", "step-000002"]
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = first.stdout
+    assert "SFT start" in out and "after GRPO" in out and "greedy, training layouts" in out
+    assert f"{report['success_before']:.1%}" in out and f"{report['success_after']:.1%}" in out
+    assert "GRPO steps: 2 in" in out
+
+    again = _run(job_file, runs)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resumed from the checkpoint at step 2" in again.stdout
+    second = json.loads((run_dir / "report.json").read_text())
+    assert second["steps"] == 2 and second["success_before"] == report["success_before"]
+    # the same adapter evaluated on the same mazes greedily: the same figure
+    assert second["success_after"] == report["success_after"]
+    assert second["training_success_after"] == report["training_success_after"]
