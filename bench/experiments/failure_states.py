@@ -16,7 +16,7 @@ Measures, for a start model and optionally GRPO adapters trained from it (each l
 Uses the production ``RolloutWorker`` (no Ray) and the environment of ``examples/local-tiny.yaml``; an adapter is
 loaded with ``RolloutEngine.load_adapter`` from its PEFT directory.
 
-Figures (2026-11-30, shared 2-core machine; 64 mazes each, 95% CI about +-12 points), on ``make run``'s DAgger SFT
+Figures (2026-11-30, shared 2-core machine; 64 mazes each, 95% CI about +-12 points), on ``make run``'s 64.1% DAgger SFT
 model and the adapters of two GRPO runs from it::
 
     .venv/bin/python bench/experiments/failure_states.py runs/local-tiny/sft/model \\
@@ -120,7 +120,8 @@ def report(name: str) -> None:
     """Print one policy's line."""
     parts = [name]
     for set_name, mazes in SETS.items():
-        trajs = run_episodes(worker.engine, mazes, env, SamplingParams(0.0, 1.0, job.spec.algorithm.max_tokens_per_turn))
+        greedy = SamplingParams(0.0, 1.0, job.spec.algorithm.max_tokens_per_turn)
+        trajs = run_episodes(worker.engine, mazes, env, greedy)
         errors = [e for e in (first_error(t) for t in trajs if not t.success) if e is not None]
         kinds = {k: sum(1 for e in errors if e[0] == k) for k in ("away", "bump", "stop", "parse")}
         p = np.array([e[1] for e in errors]) if errors else np.zeros(1)

@@ -14,7 +14,7 @@ trained on, and GRPO does learn the layouts it trains on (``failure_states.py``:
 steps while held-out success fell).
 
 Figures (2026-11-30, shared 2-core machine, one seed each; 64 mazes, 95% CI about +-12 points), from ``make run``'s
-DAgger SFT model (greedy: evaluation layouts 41/64, training 48/64)::
+DAgger SFT model of that date (64.1%; greedy: evaluation layouts 41/64, training 48/64)::
 
     .venv/bin/python bench/experiments/grpo_no_holdout.py --pool eval algorithm.temperature=0.5 \\
         algorithm.learningRate=1e-3 algorithm.lossAggregation=seq-mean-token-mean

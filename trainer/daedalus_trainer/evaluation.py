@@ -2,7 +2,8 @@
 
 The evaluation set is fixed by ``environment.evalMazes`` and ``environment.evalSeed`` and held out by layout
 (:mod:`daedalus_trainer.layouts`). Success is the environment's own (``successOn``): reward 1 only when the task is
-solved, never inflated by format terms.
+solved, never inflated by format terms. ``split="training"`` evaluates the same way on as many mazes on training
+layouts, to tell what training learned on the layouts it saw from what carries to unseen ones.
 
 Figures per decoding mode (``greedy``: temperature 0; ``sampled``: the rollout temperature and top-p):
 

@@ -147,7 +147,8 @@ def eval_mazes(env_spec: Any, n: int | None = None) -> list[Maze]:
         LayoutError: see :func:`check_layouts`.
     """
     check_layouts(env_spec)
-    mazes = _distinct_mazes(int(env_spec.size), int(env_spec.eval_mazes), np.random.default_rng(int(env_spec.eval_seed)))
+    rng = np.random.default_rng(int(env_spec.eval_seed))
+    mazes = _distinct_mazes(int(env_spec.size), int(env_spec.eval_mazes), rng)
     return mazes if n is None else mazes[: int(n)]
 
 

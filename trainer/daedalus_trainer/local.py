@@ -161,7 +161,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                         f"{job.spec.environment.size}, layouts unseen in training)")
     table.add_column("policy")
     table.add_column("greedy success", justify="right")
-    table.add_column("95% CI", justify="right")
+    table.add_column("95% CI", justify="right", no_wrap=True)
     table.add_column("sampled success", justify="right")
     table.add_column("mean turns", justify="right")
     table.add_column("greedy, training layouts", justify="right")
