@@ -21,7 +21,9 @@ DAgger SFT model of that date (64.1%; greedy: evaluation layouts 41/64, training
 
 evaluation layouts 41 -> 47 -> 51 -> **52/64** (64.1% -> 81.3%) at steps 0 / 10 / 20 / 30, training mazes (now
 unseen) 48 -> 51 -> 49 -> 50/64; 4 min 16 s in all, 5-10 s per step. The same settings on the training layouts
-(``grpo_heldout.py`` at temperature 0.5, bench/experiments/README.md): held-out 64.1% -> 59.4%.
+(``grpo_heldout.py`` at temperature 0.5, bench/experiments/README.md): held-out 64.1% -> 59.4%. At the prototype's
+settings (``algorithm.learningRate=3e-3``, temperature 1, ``token-mean``), on the evaluation layouts: 41 -> 47 -> 46
+-> 36/64 (5 min 7 s), training mazes 48 -> 55 -> 41 -> 38/64.
 
 Run from the repository root.
 """
