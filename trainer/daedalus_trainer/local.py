@@ -88,7 +88,8 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
             return 2
         from daedalus_trainer import sft
 
-        console.rule("SFT on solver demonstrations")
+        dagger = job.spec.sft.on_policy_fraction > 0
+        console.rule("SFT on solver demonstrations" + (" and solver-labelled own states (DAgger)" if dagger else ""))
         # the evaluation right after replaces SFT's own final one
         start_dir = str(sft.run_sft(job, run_dir / "sft", resume=resume != "none", final_eval=False))
     work_dir = run_dir
@@ -159,7 +160,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
 
     table = Table(title=f"{job.metadata.name}: held-out success ({report['eval_mazes']} mazes, size "
                         f"{job.spec.environment.size}, layouts unseen in training)")
-    table.add_column("policy")
+    table.add_column("policy", no_wrap=True)
     table.add_column("greedy success", justify="right")
     table.add_column("95% CI", justify="right", no_wrap=True)
     table.add_column("sampled success", justify="right")
