@@ -285,6 +285,29 @@ def test_run_eval_on_training_layouts(tiny_checkpoint):
         evaluation.run_eval(job, tiny_checkpoint, split="train")
 
 
+def test_evaluate_split_plays_the_mazes_of_its_split(tiny_policy):
+    from daedalus_trainer.envs import render_rgb
+    from daedalus_trainer.envs.actions import format_action
+    from daedalus_trainer.layouts import eval_mazes, training_eval_mazes
+
+    job = make_tiny_job(None, environment={"evalMazes": 16})
+    env = job.spec.environment
+    first_pictures: list = []
+
+    def stop_at_once(messages, images):  # one turn per episode: the picture seen is the maze at its start
+        first_pictures.append(images[-1])
+        return format_action("stop", env.action_format)
+
+    engine = ScriptedEngine(tiny_policy, stop_at_once)
+    for split, mazes in (("training", training_eval_mazes(env, 3)), ("held-out", eval_mazes(env, 3))):
+        first_pictures.clear()
+        rep = evaluation.evaluate_split(engine, job, split, sampled=False, n=3)
+        assert rep.split == split and rep.results[0].episodes == 3 and rep.results[0].turns == 3
+        expected = [render_rgb(m, m.start, env.cell_pixels) for m in mazes]
+        assert len(first_pictures) == 3
+        assert all((got == want).all() for got, want in zip(first_pictures, expected))
+
+
 def test_summarize_counts_turn_rates_and_optimal_ratio(tiny_policy, tiny_job):
     env = tiny_job.spec.environment
     mazes = [maze_from_seed(7, s) for s in range(3)]

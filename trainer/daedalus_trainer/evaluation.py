@@ -29,11 +29,12 @@ import numpy as np
 
 from daedalus_trainer.layouts import LayoutReport, check_layouts, eval_mazes, training_eval_mazes
 
+from daedalus_trainer.rollout.engine import RolloutEngine, SamplingParams
+from daedalus_trainer.rollout.episode import Trajectory, run_episodes
+
 #: The maze sets :func:`run_eval` can evaluate on: the held-out layouts (the figure that counts) and as many mazes
 #: on training layouts (:func:`~daedalus_trainer.layouts.training_eval_mazes`: what training learned where it trained).
 SPLITS = ("held-out", "training")
-from daedalus_trainer.rollout.engine import RolloutEngine, SamplingParams
-from daedalus_trainer.rollout.episode import Trajectory, run_episodes
 
 #: Two-sided 95% standard-normal quantile.
 Z95 = 1.959963984540054
@@ -198,53 +199,67 @@ def write_gif(trajectory: Trajectory, path: str | Path, frame_ms: int = 400, sca
     return path
 
 
-def run_eval(
+def _check_request(greedy: bool, sampled: bool, split: str) -> None:
+    """Raises ValueError for an evaluation that asks for no mode or an unknown split."""
+    if not (greedy or sampled):
+        raise ValueError("nothing to evaluate: enable greedy and/or sampled")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+
+
+def load_engine(job: Any, model_path: str | Path, adapter_path: str | Path | None = None) -> RolloutEngine:
+    """The policy to evaluate, loaded once: the checkpoint at ``model_path`` in ``model.dtype`` with the PEFT adapter
+    at ``adapter_path`` on top (frozen), in eval mode, behind a :class:`TransformersEngine`. Pass it to
+    :func:`evaluate_split` for each set to evaluate.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``model_path`` / no adapter at ``adapter_path``.
+    """
+    from daedalus_trainer.policy import load_pretrained
+    from daedalus_trainer.rollout.engine import TransformersEngine
+
+    policy = load_pretrained(model_path, job.spec.model.dtype)
+    if adapter_path:
+        policy.load_adapter(adapter_path, trainable=False)
+    policy.model.eval()
+    return TransformersEngine(policy)
+
+
+def evaluate_split(
+    engine: RolloutEngine,
     job: Any,
-    model_path: str | Path,
-    adapter_path: str | Path | None = None,
+    split: str = "held-out",
     greedy: bool = True,
     sampled: bool = True,
     gif_dir: str | Path | None = None,
     n: int | None = None,
     *,
     gifs: int = 4,
-    split: str = "held-out",
+    model_path: str | Path = "",
+    adapter_path: str | Path | None = None,
 ) -> EvalReport:
-    """Evaluate a model (and optional LoRA adapter) on the job's held-out mazes (or, with ``split="training"``, on as
-    many mazes on training layouts).
+    """Evaluate a loaded policy (:func:`load_engine`, or any rollout engine) on one set of the job's mazes.
 
     Args:
+        engine: the policy's rollout engine.
         job: ``RLTrainingJob``.
-        model_path: checkpoint directory (e.g. SFT's ``<out>/model``).
-        adapter_path: PEFT adapter directory loaded on top.
+        split: ``held-out`` (:func:`~daedalus_trainer.layouts.eval_mazes`) or ``training``
+            (:func:`~daedalus_trainer.layouts.training_eval_mazes`).
         greedy / sampled: which decoding modes to run (sampled uses ``algorithm.temperature`` / ``top_p``, seeded
             from ``environment.evalSeed``).
         gif_dir: write GIFs of up to ``gifs`` greedy episodes there (half successes, half failures when both exist).
         n: evaluate only the first ``n`` mazes of the set.
-        split: ``held-out`` (:func:`~daedalus_trainer.layouts.eval_mazes`) or ``training``
-            (:func:`~daedalus_trainer.layouts.training_eval_mazes`).
+        model_path / adapter_path: what the engine holds, recorded in the report.
 
     Raises:
-        FileNotFoundError: no checkpoint at ``model_path`` / no adapter at ``adapter_path``.
         daedalus_trainer.layouts.LayoutError: invalid held-out configuration.
         ValueError: neither mode requested, or an unknown ``split``.
     """
-    from daedalus_trainer.policy import load_pretrained
-    from daedalus_trainer.rollout.engine import TransformersEngine
-
-    if not (greedy or sampled):
-        raise ValueError("nothing to evaluate: enable greedy and/or sampled")
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    _check_request(greedy, sampled, split)
     spec = job.spec
     env = spec.environment
     layouts = check_layouts(env)
     mazes = eval_mazes(env, n) if split == "held-out" else training_eval_mazes(env, n)
-    policy = load_pretrained(model_path, spec.model.dtype)
-    if adapter_path:
-        policy.load_adapter(adapter_path, trainable=False)
-    policy.model.eval()
-    engine = TransformersEngine(policy)
     report = EvalReport(job=job.metadata.name, model_path=str(model_path),
                         adapter_path=str(adapter_path) if adapter_path else None, size=int(env.size),
                         mazes=len(mazes), layouts=layouts, split=split)
@@ -266,3 +281,29 @@ def run_eval(
             tag = "success" if greedy_trajs[i].success else "failure"
             report.gifs.append(str(write_gif(greedy_trajs[i], Path(gif_dir) / f"maze-{i:03d}-{tag}.gif")))
     return report
+
+
+def run_eval(
+    job: Any,
+    model_path: str | Path,
+    adapter_path: str | Path | None = None,
+    greedy: bool = True,
+    sampled: bool = True,
+    gif_dir: str | Path | None = None,
+    n: int | None = None,
+    *,
+    gifs: int = 4,
+    split: str = "held-out",
+) -> EvalReport:
+    """Evaluate a model (and optional LoRA adapter) on the job's held-out mazes (or, with ``split="training"``, on as
+    many mazes on training layouts): :func:`load_engine` then :func:`evaluate_split` (arguments as there).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``model_path`` / no adapter at ``adapter_path``.
+        daedalus_trainer.layouts.LayoutError: invalid held-out configuration.
+        ValueError: neither mode requested, or an unknown ``split`` (before anything is loaded).
+    """
+    _check_request(greedy, sampled, split)
+    engine = load_engine(job, model_path, adapter_path)
+    return evaluate_split(engine, job, split, greedy, sampled, gif_dir, n, gifs=gifs, model_path=model_path,
+                          adapter_path=adapter_path)

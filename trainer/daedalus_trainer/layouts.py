@@ -131,8 +131,8 @@ def _distinct_mazes(size: int, count: int, rng: np.random.Generator, excluded: f
             mazes.append(maze)
             if len(mazes) == count:
                 return mazes
-    # pragma: no cover - needs count close to the number of layouts and astronomically bad luck
-    raise LayoutError(f"could not draw {count} distinct layouts of size {size}")
+    # needs count close to the number of layouts and astronomically bad luck
+    raise LayoutError(f"could not draw {count} distinct layouts of size {size}")  # pragma: no cover
 
 
 def eval_mazes(env_spec: Any, n: int | None = None) -> list[Maze]:

@@ -41,8 +41,18 @@ def _free_port(preferred: int) -> int:
         return s.getsockname()[1]
 
 
-def _eval_summary(report) -> dict[str, Any]:
-    return json.loads(report.to_json())
+def _evaluate(job, model_path: str, adapter_path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(held-out, training-layout)`` evaluation reports as dicts: the policy is loaded once; greedy and sampled on
+    the held-out mazes, greedy on as many mazes on training layouts."""
+    from daedalus_trainer import evaluation
+
+    engine = evaluation.load_engine(job, model_path, adapter_path)
+    held_out, training = (
+        evaluation.evaluate_split(engine, job, split, greedy=True, sampled=split == "held-out",
+                                  model_path=model_path, adapter_path=adapter_path)
+        for split in ("held-out", "training")
+    )
+    return json.loads(held_out.to_json()), json.loads(training.to_json())
 
 
 def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", port: int = 9400) -> int:
@@ -76,7 +86,6 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     import torch
 
     torch.set_num_threads(1)
-    from daedalus_trainer import evaluation
     from daedalus_trainer.grpo import Trainer, init_ray
     from daedalus_trainer.server import TrainerServer
 
@@ -108,20 +117,14 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         eval_model, start_adapter = start_dir, None
 
     # 2. before
-    before_file = run_dir / "eval-before.json"
-    if before_file.is_file():
+    before_file, before_training_file = run_dir / "eval-before.json", run_dir / "eval-before-training.json"
+    if before_file.is_file() and before_training_file.is_file():
         before = json.loads(before_file.read_text())
-    else:
-        console.rule("Evaluation of the starting point (held-out layouts)")
-        before = _eval_summary(evaluation.run_eval(job, eval_model, adapter_path=start_adapter, greedy=True,
-                                                   sampled=True))
-        before_file.write_text(json.dumps(before, indent=2))
-    before_training_file = run_dir / "eval-before-training.json"
-    if before_training_file.is_file():
         before_training = json.loads(before_training_file.read_text())
     else:
-        before_training = _eval_summary(evaluation.run_eval(job, eval_model, adapter_path=start_adapter, greedy=True,
-                                                            sampled=False, split="training"))
+        console.rule("Evaluation of the starting point (held-out and training layouts)")
+        before, before_training = _evaluate(job, eval_model, start_adapter)
+        before_file.write_text(json.dumps(before, indent=2))
         before_training_file.write_text(json.dumps(before_training, indent=2))
 
     # 3. GRPO
@@ -145,12 +148,9 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         return 0
 
     # 4. after
-    console.rule("Evaluation after GRPO (held-out layouts)")
-    after = _eval_summary(evaluation.run_eval(job, eval_model, adapter_path=str(result.adapter_dir), greedy=True,
-                                              sampled=True))
+    console.rule("Evaluation after GRPO (held-out and training layouts)")
+    after, after_training = _evaluate(job, eval_model, str(result.adapter_dir))
     (run_dir / "eval-after.json").write_text(json.dumps(after, indent=2))
-    after_training = _eval_summary(evaluation.run_eval(job, eval_model, adapter_path=str(result.adapter_dir),
-                                                       greedy=True, sampled=False, split="training"))
     (run_dir / "eval-after-training.json").write_text(json.dumps(after_training, indent=2))
 
     report = _report(job, before, after, result, time.perf_counter() - started,
@@ -192,21 +192,12 @@ def _sampled(ev: dict) -> dict | None:
     return _mode(ev, "sampled")
 
 
-def _report(job, before: dict, after: dict, result, wall: float,
-            training: tuple[dict, dict] | None = None) -> dict[str, Any]:
+def _report(job, before: dict, after: dict, result, wall: float, training: tuple[dict, dict]) -> dict[str, Any]:
     """The figures of ``report.json``: ``success_before``/``success_after`` (greedy, held-out), their 95% Wilson
     intervals ``ci95_before``/``ci95_after``, ``steps``, ``wall_seconds`` (keys fixed by the GRPO issue), sampled
-    success, GRPO seconds, and with ``training`` (the before/after evaluations on training layouts)
-    ``training_success_before``/``training_success_after``; the full evaluation reports under ``before``,
-    ``after``, ``before_training``, ``after_training``."""
-    extra: dict[str, Any] = {}
-    if training is not None:
-        extra = {
-            "training_success_before": _greedy(training[0])["success_rate"],
-            "training_success_after": _greedy(training[1])["success_rate"],
-            "before_training": training[0],
-            "after_training": training[1],
-        }
+    success, GRPO seconds, ``training_success_before``/``training_success_after`` (greedy on training layouts, from
+    ``training`` = the before/after evaluations there); the full evaluation reports under ``before``, ``after``,
+    ``before_training``, ``after_training``."""
     return {
         "job": job.metadata.name,
         "success_before": _greedy(before)["success_rate"],
@@ -222,14 +213,17 @@ def _report(job, before: dict, after: dict, result, wall: float,
         "adapter": str(result.adapter_dir),
         "before": before,
         "after": after,
-        **extra,
+        "training_success_before": _greedy(training[0])["success_rate"],
+        "training_success_after": _greedy(training[1])["success_rate"],
+        "before_training": training[0],
+        "after_training": training[1],
     }
 
 
-def _plot_curves(history: list[dict], out: Path, before: dict, after: dict,
-                 training: tuple[dict, dict] | None = None) -> Path:
+def _plot_curves(history: list[dict], out: Path, before: dict, after: dict, training: tuple[dict, dict]) -> Path:
     """PNG of training reward/success, turns per episode and update loss, with greedy success before/after on the
-    held-out layouts (and, given ``training``, on the training layouts) as horizontal lines."""
+    held-out layouts and (``training``: the before/after evaluations there) on the training layouts as horizontal
+    lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,11 +235,10 @@ def _plot_curves(history: list[dict], out: Path, before: dict, after: dict,
     axes[0].plot(steps, [h["reward_mean"] for h in history], "--", label="reward mean")
     axes[0].axhline(_greedy(before)["success_rate"], color="gray", lw=0.8, ls=":", label="held-out greedy, SFT")
     axes[0].axhline(_greedy(after)["success_rate"], color="green", lw=0.8, ls=":", label="held-out greedy, after")
-    if training is not None:
-        axes[0].axhline(_greedy(training[0])["success_rate"], color="gray", lw=0.8, ls="-.",
-                        label="training layouts greedy, SFT")
-        axes[0].axhline(_greedy(training[1])["success_rate"], color="orange", lw=0.8, ls="-.",
-                        label="training layouts greedy, after")
+    axes[0].axhline(_greedy(training[0])["success_rate"], color="gray", lw=0.8, ls="-.",
+                    label="training layouts greedy, SFT")
+    axes[0].axhline(_greedy(training[1])["success_rate"], color="orange", lw=0.8, ls="-.",
+                    label="training layouts greedy, after")
     axes[0].set_ylim(-0.02, 1.02)
     axes[0].set_xlabel("GRPO step")
     axes[0].legend(fontsize=7)
