@@ -41,9 +41,12 @@ from _common import REPO, apply_overrides, load_example, override  # noqa: E402
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("overrides", nargs="*", type=override, metavar="KEY.PATH=VALUE",
                 help="overrides under the spec of examples/local-tiny.yaml, values parsed as YAML")
-ap.add_argument("--pool", choices=("eval", "train"), default="eval",
-                help="mazes GRPO trains on: the 64 evaluation layouts (default) or 64 training mazes")
+ap.add_argument("--pool", choices=("eval", "train", "sampler"), default="eval",
+                help="mazes GRPO trains on: the 64 evaluation layouts (default), the 64 training mazes, or "
+                     "'sampler': the trainer's own stream over every training layout (what `daedalus train` draws)")
 ap.add_argument("--steps", type=int, default=30, help="GRPO steps (default 30)")
+ap.add_argument("--max-seconds", type=float, default=0.0,
+                help="start no step after this many seconds (0: no limit); the last step is evaluated")
 ap.add_argument("--eval-every", type=int, default=10, help="greedy evaluation interval in steps (default 10)")
 ap.add_argument("--start", default=str(REPO / "runs/local-tiny/sft/model"),
                 help="start model directory (default: make run's SFT model, runs/local-tiny/sft/model)")
@@ -68,6 +71,8 @@ worker = RolloutWorker(job, a.start, a.work_dir)
 held_out = eval_mazes(job.spec.environment)
 training = TrainingSampler.for_env(job.spec.environment, seed=0).mazes(0, 64)
 pool = held_out if a.pool == "eval" else training
+sampler = TrainingSampler.for_env(job.spec.environment, seed=algo.seed)
+print(f"device {learner.policy.device}, pool {a.pool}, {a.steps} steps, overrides {a.overrides}", flush=True)
 started = time.time()
 
 
@@ -83,13 +88,20 @@ def evaluate(step: int) -> None:
 evaluate(0)
 for step in range(1, a.steps + 1):
     t = time.time()
-    rng = np.random.default_rng([algo.seed, step])
-    mazes = [pool[i] for i in rng.choice(len(pool), algo.mazes_per_step, replace=False)]
+    if a.pool == "sampler":
+        mazes = sampler.mazes(step, algo.mazes_per_step)
+    else:
+        rng = np.random.default_rng([algo.seed, step])
+        mazes = [pool[i] for i in rng.choice(len(pool), algo.mazes_per_step, replace=False)]
     episodes = [m for m in mazes for _ in range(algo.group_size)]
     trajectories = worker.rollout(episodes, step, learner.adapter_state(), step)
     update = learner.update(trajectories, algo.group_size)
     parse_errors = sum(turn.parse_error for tr in trajectories for turn in tr.turns)
     print(f"{step} success {np.mean([tr.success for tr in trajectories]):.3f} zero-var {update.zero_variance_groups} "
           f"parse-errors {parse_errors} {time.time() - t:.1f}s", flush=True)
-    if step % a.eval_every == 0 or step == a.steps:
+    out_of_time = a.max_seconds > 0 and time.time() - started > a.max_seconds
+    if step % a.eval_every == 0 or step == a.steps or out_of_time:
         evaluate(step)
+    if out_of_time:
+        print(f"time budget of {a.max_seconds:.0f} s reached after step {step}", flush=True)
+        break

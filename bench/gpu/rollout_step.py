@@ -207,7 +207,15 @@ def main(argv=None) -> int:
         atexit.register(shutil.rmtree, work, ignore_errors=True)  # the checkpoint is ~18 GB at 8B scale
     ckpt = work / f"qwen3-vl-{args.scale}-random"
     ckpt.mkdir(parents=True, exist_ok=True)
+    out = args.json or (str(Path(os.environ["OUT"]) / "gpu_bench.json") if os.environ.get("OUT") else None)
+
+    def dump() -> None:
+        """Write the figures so far (after each stage: a run stopped by a timeout still leaves what it measured)."""
+        if out:
+            Path(out).write_text(json.dumps(figures, indent=2, default=str) + "\n")
+
     figures["checkpoint"] = build_checkpoint(ckpt, args.scale, device)
+    dump()
     c = figures["checkpoint"]
     log(f"checkpoint: {c['parameters'] / 1e9:.2f} B parameters, {c['weight_bytes'] / 1e9:.1f} GB, built in "
         f"{c['build_s']:.1f} s, saved in {c['save_s']:.1f} s -> {ckpt}")
@@ -251,6 +259,7 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     learner = Learner(job, None, str(work), micro_batch=args.micro_batch)
     figures["learner_load_s"] = time.perf_counter() - t
+    dump()
     log(f"learner: loaded in {figures['learner_load_s']:.1f} s, "
         f"{sum(p.numel() for p in learner.params) / 1e6:.1f} M trainable LoRA parameters")
     if engine is None:
@@ -309,6 +318,8 @@ def main(argv=None) -> int:
                "learner_sequences": update.sequences, "learner_tokens": update.tokens, "skipped": update.skipped,
                "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else None}
         steps.append(rec)
+        figures["steps"] = steps
+        dump()
         log(f"step {step}: rollout {rollout_s:.2f} s ({env_steps} env steps, {tokens} generated / {prompt_tokens} "
             f"prompt tokens, {rec['tokens_per_s']:.0f} tokens/s), learner {learner_s:.2f} s ({update.sequences} "
             f"sequences), sync {sync_s:.2f} s")
@@ -323,9 +334,7 @@ def main(argv=None) -> int:
     figures["tokens_per_s_median"] = tok_s
     figures["step_s_median"] = step_s
     figures["weight_streaming_bound_tokens_per_s"] = bound
-    out = args.json or (str(Path(os.environ["OUT"]) / "gpu_bench.json") if os.environ.get("OUT") else None)
-    if out:
-        Path(out).write_text(json.dumps(figures, indent=2, default=str) + "\n")
+    dump()
     print()
     print(f"engine {figures['engine']}; {n_episodes} episodes/step ({algo.mazes_per_step} mazes x G={algo.group_size}),"
           f" up to {env_spec.max_turns} turns, {algo.max_tokens_per_turn} tokens/turn; LoRA r={args.rank}; "
