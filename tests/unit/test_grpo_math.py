@@ -104,3 +104,22 @@ def test_kl_k3_is_zero_at_reference_and_positive_elsewhere():
     k3 = (torch.exp(d) - d - 1).mean().item()
     assert diff.kl == pytest.approx(k3) and k3 > 0
     assert loss.item() == pytest.approx(0.5 * k3)
+
+
+def test_cosine_learning_rate_schedule_values():
+    from types import SimpleNamespace
+
+    from daedalus_trainer.grpo import learning_rate_at
+
+    algo = SimpleNamespace(learning_rate=1e-3, steps=4, lr_schedule="cosine")
+    # lr * (1 + cos(pi * (step - 1) / 4)) / 2 for steps 1..4: 1, (1 + 1/sqrt2) / 2, 1/2, (1 - 1/sqrt2) / 2
+    expected = [1e-3, 1e-3 * (1 + 2 ** -0.5) / 2, 0.5e-3, 1e-3 * (1 - 2 ** -0.5) / 2]
+    assert [learning_rate_at(algo, s) for s in (1, 2, 3, 4)] == pytest.approx(expected, rel=1e-12)
+    assert learning_rate_at(algo, 9) == pytest.approx(0.0, abs=1e-18)  # past the last step (steps lowered)
+    algo.lr_schedule = "constant"
+    assert {learning_rate_at(algo, s) for s in (1, 3, 9)} == {1e-3}
+    with pytest.raises(ValueError, match="numbered from 1"):
+        learning_rate_at(algo, 0)
+    algo.lr_schedule = "linear"
+    with pytest.raises(ValueError, match="unknown lrSchedule"):
+        learning_rate_at(algo, 1)

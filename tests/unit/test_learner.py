@@ -6,6 +6,8 @@ learner, not the environment, is under test.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from support.tiny_model import make_tiny_job, tiny_checkpoint  # noqa: F401
@@ -102,3 +104,24 @@ def test_packed_adapter_publication_loads_the_same_weights(tiny_checkpoint):  # 
     assert [[t.completion_ids for t in e.turns] for e in got] == [[t.completion_ids for t in e.turns] for e in plain]
     state = worker.engine.policy.adapter_state()
     assert all(torch.equal(state[k], v) for k, v in learner.adapter_state().items())
+
+
+def test_cosine_schedule_sets_the_learning_rate_of_each_step(tiny_checkpoint):  # noqa: F811
+    """With ``lrSchedule: cosine`` the update of step ``s`` runs AdamW at that step's rate: step 1 at the full rate,
+    the last step at a sliver of it, which moves the adapter correspondingly less than a constant rate does."""
+    moved = {}
+    for schedule, step in (("constant", 10), ("cosine", 1), ("cosine", 10)):
+        job = make_tiny_job(tiny_checkpoint, algorithm={"learningRate": 0.01, "steps": 10, "lrSchedule": schedule},
+                            environment={"maxTurns": 3})
+        learner = Learner(job, None, str(tiny_checkpoint.parent))
+        trajs = _rollouts(learner, job)
+        before = learner.adapter_state()
+        stats = learner.update(trajs, GROUP, step)
+        after = learner.adapter_state()
+        moved[schedule, step] = max(float((after[k] - before[k]).abs().max()) for k in before)
+        assert stats.learning_rate == pytest.approx(0.01 if (schedule, step) != ("cosine", 10)
+                                                    else 0.01 * (1 + math.cos(math.pi * 9 / 10)) / 2)
+        assert learner.optimizer.param_groups[0]["lr"] == stats.learning_rate
+    # AdamW's first step moves each weight by about lr: the cosine's last step (lr 2.4e-4) moves it ~40x less
+    assert moved["cosine", 1] == pytest.approx(moved["constant", 10], rel=1e-6)
+    assert moved["cosine", 10] < moved["constant", 10] / 20

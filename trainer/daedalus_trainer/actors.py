@@ -117,6 +117,8 @@ class UpdateStats:
     seconds: float
     updates: int = 1
     """Optimizer updates made (``iterationsPerStep`` minus any skipped for a non-finite gradient)."""
+    learning_rate: float | None = None
+    """The AdamW learning rate of this step (:func:`daedalus_trainer.grpo.learning_rate_at`)."""
 
 
 class Learner:
@@ -175,8 +177,11 @@ class Learner:
         return str(self.policy.save_adapter(out_dir))
 
     # -- the GRPO update -------------------------------------------------------------------------------------------
-    def update(self, trajectories: Sequence[Any], group_size: int) -> UpdateStats:
+    def update(self, trajectories: Sequence[Any], group_size: int, step: int | None = None) -> UpdateStats:
         """One GRPO step on ``M * G`` episodes laid out group by group (episode ``e`` is in group ``e // G``).
+
+        ``step`` (1-based) sets the learning rate from ``algorithm.lrSchedule``
+        (:func:`daedalus_trainer.grpo.learning_rate_at`); ``None`` keeps the optimizer's current one.
 
         Rewards -> group-relative advantages -> clipped policy loss on the assistant tokens of every turn (the
         episode's advantage broadcast to all of them) -> gradient clipping -> AdamW, ``iterationsPerStep`` times over
@@ -187,10 +192,14 @@ class Learner:
         Raises:
             ValueError: ``len(trajectories)`` is not a multiple of ``group_size``.
         """
-        from daedalus_trainer.grpo import group_advantages, grpo_loss
+        from daedalus_trainer.grpo import group_advantages, grpo_loss, learning_rate_at
 
         started = time.perf_counter()
         algo = self.job.spec.algorithm
+        if step is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = learning_rate_at(algo, step)
+        lr = float(self.optimizer.param_groups[0]["lr"])
         n = len(trajectories)
         if group_size < 1 or n % group_size:
             raise ValueError(f"{n} trajectories do not form groups of {group_size}")
@@ -201,7 +210,8 @@ class Learner:
         episodes = [e for e in range(n) if use_kl or not bool(zero_var[e // group_size])]
         n_zero = int(zero_var.sum())
         if not episodes:
-            return UpdateStats(None, None, None, None, 0, 0, n_zero, True, time.perf_counter() - started, updates=0)
+            return UpdateStats(None, None, None, None, 0, 0, n_zero, True, time.perf_counter() - started, updates=0,
+                               learning_rate=lr)
 
         # Micro-batches of whole episodes (an episode's turns stay together, which the per-episode aggregations need).
         chunks: list[list[int]] = [[]]
@@ -274,5 +284,5 @@ class Learner:
             grad_norm=norm_sum / updates if updates else float("nan"),
             clip_fraction=clip_sum / per_token, tokens=total_tokens, sequences=sequences,
             zero_variance_groups=n_zero, skipped=updates == 0, seconds=time.perf_counter() - started,
-            updates=updates,
+            updates=updates, learning_rate=lr,
         )

@@ -142,6 +142,10 @@ class AlgorithmSpec(_Model):
     reusing them is cheap."""
     steps: int = Field(100, ge=1, le=10_000_000, strict=True)
     """Number of GRPO steps (batches of rollouts; each makes `iterationsPerStep` optimizer updates)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """`constant`: `learningRate` at every step; `cosine`: half a cosine from `learningRate` at step 1 down to 0
+    after step `steps` (Loshchilov & Hutter 2017, SGDR, without restarts). A function of the step alone, so a
+    resumed run continues the same schedule."""
     seed: int = Field(0, ge=0, strict=True)
     """Seed of maze sampling, rollouts and initialisation; a resumed run continues the same streams."""
     eval_interval_steps: int = Field(0, ge=0, strict=True)

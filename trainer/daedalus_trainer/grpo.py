@@ -172,6 +172,28 @@ log = logging.getLogger("daedalus.grpo")
 FORMAT_COLLAPSE_RATIO = 0.5
 
 
+def learning_rate_at(algo: Any, step: int) -> float:
+    """The learning rate of GRPO step ``step`` (1-based, ``1 <= step <= algo.steps``) under ``algo.lr_schedule``.
+
+    ``constant``: ``algo.learning_rate``. ``cosine``: ``lr * (1 + cos(pi * (step - 1) / steps)) / 2``, i.e. ``lr`` at
+    step 1, ``lr / 2`` halfway and close to 0 at the last step (SGDR without restarts, Loshchilov & Hutter 2017,
+    arXiv:1608.03983). A step beyond ``steps`` (a run whose ``steps`` was lowered) gets 0.
+
+    Raises:
+        ValueError: ``step < 1`` or an unknown schedule.
+    """
+    import math
+
+    if step < 1:
+        raise ValueError(f"GRPO steps are numbered from 1, got {step}")
+    if algo.lr_schedule == "constant":
+        return float(algo.learning_rate)
+    if algo.lr_schedule == "cosine":
+        progress = min(1.0, (step - 1) / algo.steps)
+        return float(algo.learning_rate) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lrSchedule {algo.lr_schedule!r}")
+
+
 def step_seed(seed: int, step: int, part: int = 0) -> int:
     """Deterministic 31-bit seed for (run seed, step, part): a resumed run samples the same mazes and tokens."""
     import numpy as np
@@ -416,7 +438,7 @@ class Trainer:
             trajectories = [t for chunk in ray.get(futures) for t in chunk]
             rollout_seconds = time.perf_counter() - t0
             # reward -> advantage -> loss -> optimizer step (on the learner)
-            update = ray.get(learner.update.remote(trajectories, algo.group_size))
+            update = ray.get(learner.update.remote(trajectories, algo.group_size, step + 1))
             step += 1
             record = _step_record(step, trajectories, update, rollout_seconds)
             history.append(record)
@@ -498,7 +520,7 @@ def _step_record(step: int, trajectories: list, update, rollout_seconds: float) 
         "rollout_tokens": tokens,
         "zero_variance_groups": update.zero_variance_groups,
         "loss": update.loss, "kl": update.kl, "grad_norm": update.grad_norm, "clip_fraction": update.clip_fraction,
-        "skipped_update": update.skipped,
+        "skipped_update": update.skipped, "learning_rate": update.learning_rate,
         "rollout_seconds": rollout_seconds, "learner_seconds": update.seconds,
     }
 
