@@ -25,6 +25,11 @@ unseen) 48 -> 51 -> 49 -> 50/64; 4 min 16 s in all, 5-10 s per step. The same se
 settings (``algorithm.learningRate=3e-3``, temperature 1, ``token-mean``), on the evaluation layouts: 41 -> 47 -> 46
 -> 36/64 (5 min 7 s), training mazes 48 -> 55 -> 41 -> 38/64.
 
+On a GPU machine (``bench/gpu/session.sh``, 2026-11-30; one H200, four runs side by side, ~358 s of steps each)
+from the session-5 68.8% SFT model: ``--pool sampler`` (every training layout) raised held-out greedy success
+44 -> 49-51/64 in 31-38 steps at three settings, ``--pool eval`` 44 -> 55/64 (steps 20 and 40); see
+bench/experiments/README.md.
+
 Run from the repository root.
 """
 
@@ -95,7 +100,7 @@ for step in range(1, a.steps + 1):
         mazes = [pool[i] for i in rng.choice(len(pool), algo.mazes_per_step, replace=False)]
     episodes = [m for m in mazes for _ in range(algo.group_size)]
     trajectories = worker.rollout(episodes, step, learner.adapter_state(), step)
-    update = learner.update(trajectories, algo.group_size)
+    update = learner.update(trajectories, algo.group_size, step)  # the step sets lrSchedule's rate
     parse_errors = sum(turn.parse_error for tr in trajectories for turn in tr.turns)
     print(f"{step} success {np.mean([tr.success for tr in trajectories]):.3f} zero-var {update.zero_variance_groups} "
           f"parse-errors {parse_errors} {time.time() - t:.1f}s", flush=True)
