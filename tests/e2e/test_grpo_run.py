@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from daedalus_trainer.config import parse_job
-from daedalus_trainer.grpo import Trainer
+from daedalus_trainer.grpo import Trainer, learning_rate_at
 
 from support.jobs import tiny_job_dict
 
@@ -35,7 +35,9 @@ def _adapter(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(sft_start, local_ray, tmp_path_factory):
-    job = parse_job(tiny_job_dict())
+    # cosine: each step runs at its own rate, so the resume test below also checks that a resumed run continues the
+    # schedule where it stopped
+    job = parse_job(tiny_job_dict(algorithm={"lrSchedule": "cosine"}))
     run = tmp_path_factory.mktemp("full")
     result = Trainer(job, run, start_dir=str(sft_start), rollout_workers=2).train("latest")
     return job, run, result
@@ -47,6 +49,10 @@ def test_run_learns_something_real(uninterrupted, sft_start):
     updates = [h for h in result.history if not h["skipped_update"]]
     assert updates, "no GRPO update ran: every group had equal rewards"
     assert all(h["grad_norm"] > 0 for h in updates)
+    # the learner ran step s at the cosine's rate for s (1-based): learningRate at step 1, then down towards 0
+    rates = [h["learning_rate"] for h in result.history]
+    assert rates == pytest.approx([learning_rate_at(job.spec.algorithm, s) for s in range(1, 7)], rel=1e-12)
+    assert rates[0] == job.spec.algorithm.learning_rate and rates == sorted(rates, reverse=True)
     # LoRA B matrices start at zero (peft init): after real updates they are not.
     adapter = _adapter(result.adapter_dir)
     lora_b = [v for k, v in adapter.items() if "lora_B" in k]

@@ -43,6 +43,8 @@ def sid(attempt: int) -> str:
 def manifest(**spec_overrides: Any) -> dict:
     doc = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
     doc["metadata"]["namespace"] = "ml"
+    # 40 steps whatever the example says: the rows' trainer reports totalSteps 40 and "all steps done" as step 40
+    doc["spec"]["algorithm"]["steps"] = 40
     set_spec_fields(doc["spec"], **spec_overrides)
     return doc
 
