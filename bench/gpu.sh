@@ -16,14 +16,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUTDIR=${OUT:-/tmp/daedalus-gpu-bench-out}
 mkdir -p "$OUTDIR"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  # Carried wheels (bench/gpu/fetch-wheels.sh) shadow the image's versions of the same packages.
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/daedalus-site \
-    .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/daedalus-site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD/trainer${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+source bench/gpu/env.sh || exit 1   # carried wheels, PYTHONPATH
 {
   echo "== $(date -u +%FT%TZ) $(uname -m) $(nproc) cpus"
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm --format=csv 2>&1 || true

@@ -323,7 +323,6 @@ def main(argv=None) -> int:
         log(f"step {step}: rollout {rollout_s:.2f} s ({env_steps} env steps, {tokens} generated / {prompt_tokens} "
             f"prompt tokens, {rec['tokens_per_s']:.0f} tokens/s), learner {learner_s:.2f} s ({update.sequences} "
             f"sequences), sync {sync_s:.2f} s")
-    figures["steps"] = steps
     figures["wall_s"] = time.perf_counter() - started
 
     last = steps[-1]

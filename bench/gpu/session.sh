@@ -27,18 +27,14 @@ mkdir -p "$OUTDIR"
 exec > >(tee "$OUTDIR/session.log") 2>&1
 echo "== session.sh $(date -u +%FT%TZ) $(nproc) cpus; TOTAL_S=$TOTAL_S BENCH_S=$BENCH_S start=$START"
 
+source bench/gpu/env.sh || exit 1   # carried wheels, PYTHONPATH (gpu.sh inherits them)
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  # gpu.sh installs the carried wheels itself; its Python side starts no step after BENCH_S - 60 s.
+  # gpu.sh's Python side starts no step after BENCH_S - 60 s.
   timeout "$BENCH_S" bench/gpu.sh --budget-s $((BENCH_S - 60))
   echo "== gpu.sh exit $? after $((SECONDS - T0)) s"
 fi
 
-if compgen -G ".whl/*.whl" > /dev/null && [ ! -d /tmp/daedalus-site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/daedalus-site \
-    .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/daedalus-site:$PWD/trainer${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=3
+export OMP_NUM_THREADS=3
 if [ ! -f "$START/config.json" ]; then
   echo "no start model at $START (copy runs/local-tiny/sft/model there and carry it)"; exit 1
 fi

@@ -196,10 +196,9 @@ class Learner:
 
         started = time.perf_counter()
         algo = self.job.spec.algorithm
-        if step is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = learning_rate_at(algo, step)
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = learning_rate_at(algo, step) if step is not None else float(self.optimizer.param_groups[0]["lr"])
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         n = len(trajectories)
         if group_size < 1 or n % group_size:
             raise ValueError(f"{n} trajectories do not form groups of {group_size}")

@@ -14,6 +14,7 @@ tokens sampled in it). An episode's advantage is broadcast to every assistant to
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -182,8 +183,6 @@ def learning_rate_at(algo: Any, step: int) -> float:
     Raises:
         ValueError: ``step < 1`` or an unknown schedule.
     """
-    import math
-
     if step < 1:
         raise ValueError(f"GRPO steps are numbered from 1, got {step}")
     if algo.lr_schedule == "constant":
