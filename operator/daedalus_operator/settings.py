@@ -1,7 +1,7 @@
 """Operator-wide settings (command-line flags of ``daedalus operator``), passed to the builders and handlers.
 
 Production defaults match the Helm chart: the operator runs in namespace ``daedalus-system`` with pod label
-``app.kubernetes.io/name: daedalus-operator``, the trainer serves on port 9400, config and token are mounted at
+``app.kubernetes.io/name: daedalus``, the trainer serves on port 9400, config and token are mounted at
 ``/etc/daedalus`` and ``/var/run/secrets/daedalus``. Tests change the paths and ports (a shared machine: fixed ports
 collide) without changing any code path.
 """

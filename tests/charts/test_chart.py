@@ -432,3 +432,6 @@ def test_notes_render(chart: Helm) -> None:
     assert "watches RLTrainingJobs in: team-a, team-b" in notes
     assert "ServiceMonitor rel-daedalus scrapes the operator" in notes
     assert "resource.customizations.health.daedalus.dev_RLTrainingJob" in notes
+    example = yaml.safe_load((REPO / "examples" / "hyperpod-qwen3vl-8b.yaml").read_text())["metadata"]
+    assert f"kubectl -n {example['namespace']} get rltj -w" in notes  # the example's namespace, not the default
+    assert f"kubectl -n {example['namespace']} describe rltj {example['name']}" in notes
