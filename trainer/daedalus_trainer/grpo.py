@@ -311,7 +311,7 @@ class Trainer:
             ``<checkpoint.path>/<namespace>/<name>``).
         start_dir: SFT starting point (full model or PEFT adapter dir); default ``job.spec.model.sft_adapter``.
         work_dir: where the tiny base model is built (default ``run_dir``).
-        rollout_workers: number of rollout actors (default: 2 on CPU, one per GPU otherwise).
+        rollout_workers: number of rollout actors (default: 2 on CPU, one per GPU the learner leaves; :func:`actor_layout`).
         control / metrics: shared with the HTTP endpoint (:mod:`daedalus_trainer.server`); created if None.
         on_step: called with each step's metrics dict (progress bars).
         final_eval: evaluate the final adapter greedily on the held-out mazes (``daedalus_eval_success_ratio``).
@@ -342,13 +342,11 @@ class Trainer:
 
         from daedalus_trainer.actors import Learner, RolloutWorker
 
-        n = self.rollout_workers or _default_rollout_workers()
+        layout = actor_layout(_gpus_available(), self.rollout_workers)
         job = self.job.model_dump(by_alias=True, mode="json")
-        gpu = _gpus_available()
-        opts = {"num_gpus": 1, "num_cpus": 1} if gpu else {"num_cpus": 0.5}
-        learner = ray.remote(Learner).options(**opts).remote(job, self.start_dir, str(self.work_dir))
-        workers = [ray.remote(RolloutWorker).options(**opts).remote(job, self.start_dir, str(self.work_dir))
-                   for _ in range(n)]
+        learner = ray.remote(Learner).options(**layout.learner).remote(job, self.start_dir, str(self.work_dir))
+        workers = [ray.remote(RolloutWorker).options(**layout.worker).remote(job, self.start_dir, str(self.work_dir))
+                   for _ in range(layout.workers)]
         return learner, workers
 
     def train(self, resume: str = "latest") -> TrainResult:
@@ -374,9 +372,9 @@ class Trainer:
             from daedalus_trainer.policy import resolve_base_dir
 
             resolve_base_dir(job.spec.model, self.work_dir)
+        loaded = manager.resume(resume)  # before the actors start: a bad --resume fails in a second, not minutes
         learner, workers = self._actors()
 
-        loaded = manager.resume(resume)
         history: list[dict[str, Any]] = []
         step = 0
         latest = None
@@ -524,9 +522,55 @@ def _step_record(step: int, trajectories: list, update, rollout_seconds: float) 
     }
 
 
-def _default_rollout_workers() -> int:
-    gpus = _gpus_available()
-    return gpus if gpus else max(1, min(2, (os.cpu_count() or 1)))
+@dataclass(frozen=True)
+class ActorLayout:
+    """Ray resource requests of the learner and the rollout actors (``ray.remote(...).options(**...)``)."""
+
+    workers: int
+    """Number of rollout actors."""
+    learner: dict[str, float]
+    """Options of the learner actor (``num_gpus``, ``num_cpus``)."""
+    worker: dict[str, float]
+    """Options of each rollout actor."""
+
+    @property
+    def gpus(self) -> float:
+        """GPUs requested by all actors together."""
+        return self.learner.get("num_gpus", 0) + self.workers * self.worker.get("num_gpus", 0)
+
+
+def actor_layout(gpus: int, workers: int | None = None, cpus: int | None = None) -> ActorLayout:
+    """Place the learner and the rollout actors on ``gpus`` GPUs without asking for more than exist.
+
+    - No GPU: ``workers`` actors (default ``min(2, cpus)``), every actor 0.5 CPU, so a default Ray task still fits on
+      a 2-core machine.
+    - One GPU: the learner and the rollout actors share it: the learner half of it, the workers (default 1) the other
+      half between them.
+    - ``gpus >= 2``: the learner gets a GPU of its own and the rollout actors (default ``gpus - 1``) share the rest,
+      a whole GPU each when they fit. Asking for one actor per GPU *plus* the learner (what this replaced) needs
+      ``gpus + 1`` GPUs: Ray never schedules the last actor and the first ``ray.get`` waits forever.
+
+    Args:
+        gpus: GPUs in the Ray cluster (``ray.cluster_resources()["GPU"]``).
+        workers: rollout actors wanted (None: the default above).
+        cpus: CPUs of this machine (default ``os.cpu_count()``), for the CPU default only.
+
+    Raises:
+        ValueError: ``workers`` < 1 or ``gpus`` < 0.
+    """
+    if gpus < 0:
+        raise ValueError(f"gpus must be >= 0, got {gpus}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"rollout workers must be >= 1, got {workers}")
+    if gpus == 0:
+        n = workers or max(1, min(2, cpus or os.cpu_count() or 1))
+        return ActorLayout(n, {"num_cpus": 0.5}, {"num_cpus": 0.5})
+    if gpus == 1:
+        n = workers or 1
+        return ActorLayout(n, {"num_gpus": 0.5, "num_cpus": 1}, {"num_gpus": 0.5 / n, "num_cpus": 1})
+    n = workers or gpus - 1
+    share = min(1.0, (gpus - 1) / n)
+    return ActorLayout(n, {"num_gpus": 1, "num_cpus": 1}, {"num_gpus": share, "num_cpus": 1})
 
 
 def _gpus_available() -> int:
@@ -546,8 +590,8 @@ def run_dir_for(job) -> Path:
 def init_ray(local: bool) -> None:
     """Attach to the running Ray cluster (inside a Ray job, ``RAY_ADDRESS`` is set) or start a small local one.
 
-    Locally: ``num_cpus=2`` and no dashboard (~0.7 GB, ~4 s to start; docs/engineering-notes.md, "Local Ray"), actors
-    take fractional CPUs so a default task can still be scheduled.
+    Locally: ``num_cpus`` = the machine's CPUs clamped to 2-4, and no dashboard (~0.7 GB, ~4 s to start;
+    docs/engineering-notes.md, "Local Ray"); actors take fractional CPUs so a default task can still be scheduled.
     """
     import ray
 
