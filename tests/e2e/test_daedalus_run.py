@@ -67,6 +67,8 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     again = _run(job_file, runs)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resumed from the checkpoint at step 2" in again.stdout
+    # the same start: the cached evaluation is used, not run again (the start's fingerprint matches)
+    assert "Evaluation of the starting point" in first.stdout and "Evaluation of the starting point" not in again.stdout
     second = json.loads((run_dir / "report.json").read_text())
     assert second["steps"] == 2 and second["success_before"] == report["success_before"]
     # the same adapter evaluated on the same mazes greedily: the same figure

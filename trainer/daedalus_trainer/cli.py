@@ -152,6 +152,33 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     return operator_main(args.operator_args)
 
 
+def _resume_option(text: str) -> str:
+    """argparse type of ``--resume``: ``latest``, ``none`` or a path that exists (what it holds is verified when the
+    checkpoint is loaded, before any training starts).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (a typo such as ``lastest`` fails here, not after SFT).
+    """
+    if text in ("latest", "none") or Path(text).exists():
+        return text
+    raise argparse.ArgumentTypeError(f"expected 'latest', 'none' or the path of a checkpoint; {text!r} does not exist")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or below 1.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand (also used by tests and `--help`)."""
     p = argparse.ArgumentParser(prog="daedalus", description=DESCRIPTION,
@@ -166,15 +193,19 @@ def build_parser() -> argparse.ArgumentParser:
                        "writes report.json and curves.png. Interrupt it and run it again: it resumes.")
     s.add_argument("job", help="RLTrainingJob YAML file")
     s.add_argument("--runs-dir", default="runs", help="where runs/<name>/ goes (default: ./runs)")
-    s.add_argument("--resume", default="latest", help="latest (default) | none | PATH of a checkpoint")
+    s.add_argument("--resume", default="latest", type=_resume_option,
+                   help="latest (default) | none | PATH of a checkpoint (directory step-NNNNNN or a checkpoints/ root)")
     s.add_argument("--port", type=int, default=int(os.environ.get("DAEDALUS_METRICS_PORT", "9400")),
                    help="metrics/control HTTP port (0: pick a free one; default 9400)")
     s.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("train", help="GRPO training (what the Ray job runs on a cluster)")
     s.add_argument("--config", required=True, help="job spec as YAML or JSON (the operator's ConfigMap)")
-    s.add_argument("--resume", default="latest", help="latest (default) | none | PATH of a checkpoint")
-    s.add_argument("--out", default=None, help="override the checkpoint directory")
+    s.add_argument("--resume", default="latest", type=_resume_option,
+                   help="latest (default) | none | PATH of a checkpoint (directory step-NNNNNN or a checkpoints/ root)")
+    s.add_argument("--out", default=None,
+                   help="job directory: checkpoints go to OUT/checkpoints, the final adapter to OUT/exports/adapter "
+                        "(default <checkpoint.path>/<namespace>/<name>)")
     s.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("sft", help="supervised fine-tuning on solver demonstrations (the GRPO starting point)")
@@ -187,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("config", help="RLTrainingJob YAML (environment and eval set)")
     s.add_argument("--model", required=True, help="model directory")
     s.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory")
-    s.add_argument("--mazes", type=int, default=None, help="evaluate on the first N mazes of the set")
+    s.add_argument("--mazes", type=_positive_int, default=None, help="evaluate on the first N mazes of the set")
     s.add_argument("--split", choices=("held-out", "training"), default="held-out",
                    help="held-out: the evaluation layouts, excluded from training (default); training: as many mazes "
                         "on layouts training draws from (what training learned where it trained)")
@@ -233,7 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a clean message for known user errors, a traceback for bugs
         from daedalus_trainer.config import SpecError
 
-        if isinstance(exc, (SpecError, FileNotFoundError)):
+        user_errors: tuple[type[Exception], ...] = (SpecError, FileNotFoundError)
+        try:  # torch-free images (the operator's) have no checkpoint module
+            from daedalus_trainer.checkpoint import CheckpointError
+
+            user_errors += (CheckpointError,)
+        except ImportError:
+            pass
+        if isinstance(exc, user_errors):
             print(f"error: {exc}", file=sys.stderr)
             return 2
         raise

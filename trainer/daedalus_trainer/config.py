@@ -152,6 +152,18 @@ class AlgorithmSpec(_Model):
     """Greedy evaluation on the held-out mazes every N steps (metric `daedalus_eval_success_ratio`); 0: only after
     the last step."""
 
+    @field_validator("loss_aggregation", mode="before")
+    @classmethod
+    def _aggregation_by_value(cls, v: Any) -> Any:
+        # Manifests name the mode by its string; strict parsing (parse_job) accepts only members otherwise.
+        if isinstance(v, str) and not isinstance(v, LossAggregation):
+            try:
+                return LossAggregation(v)
+            except ValueError:
+                modes = ", ".join(repr(m.value) for m in LossAggregation)
+                raise ValueError(f"must be one of {modes}; got {v!r}") from None
+        return v
+
 
 class EnvironmentSpec(_Model):
     """Multi-turn visual maze in the style of VisGym Maze2D."""
@@ -215,7 +227,10 @@ class CheckpointSpec(_Model):
     """Checkpoints on shared storage (FSx for Lustre on HyperPod)."""
 
     volume: str | None = None
-    """PersistentVolumeClaim mounted on every Ray pod at `path` (e.g. the FSx for Lustre claim)."""
+    """PersistentVolumeClaim (e.g. the FSx for Lustre claim) mounted on every Ray pod at the deepest directory that
+    `path` shares with the absolute `model.path` and `model.sftAdapter` (`/fsx/models/...` and
+    `/fsx/daedalus/checkpoints` mount it at `/fsx`), so one claim can hold base model, SFT adapter and checkpoints;
+    at `path` itself when they share nothing but `/`."""
     path: str = "/checkpoints"
     """Directory of checkpoints; the trainer writes under `<path>/<namespace>/<job name>/`."""
     interval_steps: int = Field(10, ge=1, strict=True)
@@ -239,13 +254,19 @@ class Toleration(_Model):
     """For NoExecute: how long the pod stays bound after the taint appears."""
 
 
+#: A Kubernetes resource quantity ("4", "500m", "16Gi", "1e3"): the regular expression of apimachinery's
+#: ``resource.Quantity`` (k8s.io/apimachinery/pkg/api/resource), as KubeRay's CRD and ``kubectl explain`` give it.
+QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+"
+                    r"(\.[0-9]*)?)|(\.[0-9]+))))?$")
+
+
 class HeadSpec(_Model):
     """Ray head group: the driver, the trainer's HTTP endpoint; no GPUs and `num-cpus: 0` (no tasks scheduled)."""
 
-    cpu: str = "4"
-    """CPU request and limit of the head pod."""
-    memory: str = "16Gi"
-    """Memory request and limit of the head pod."""
+    cpu: str = Field("4", pattern=QUANTITY_PATTERN)
+    """CPU request and limit of the head pod (a quantity string: "4", "500m")."""
+    memory: str = Field("16Gi", pattern=QUANTITY_PATTERN)
+    """Memory request and limit of the head pod (a quantity string: "16Gi")."""
 
 
 class WorkerGroupSpec(_Model):
@@ -257,12 +278,12 @@ class WorkerGroupSpec(_Model):
     """Number of worker pods."""
     gpus_per_worker: int = Field(8, ge=0, le=16, strict=True)
     """`nvidia.com/gpu` per worker pod."""
-    cpu: str = "32"
-    """CPU request and limit per worker pod."""
-    memory: str = "256Gi"
-    """Memory request and limit per worker pod."""
-    shm_size: str = "64Gi"
-    """Size of the in-memory `/dev/shm` volume (NCCL, Ray object store)."""
+    cpu: str = Field("32", pattern=QUANTITY_PATTERN)
+    """CPU request and limit per worker pod (a quantity string: "32", "500m")."""
+    memory: str = Field("256Gi", pattern=QUANTITY_PATTERN)
+    """Memory request and limit per worker pod (a quantity string: "256Gi")."""
+    shm_size: str = Field("64Gi", pattern=QUANTITY_PATTERN)
+    """Size of the in-memory `/dev/shm` volume (NCCL, Ray object store; a quantity string: "64Gi")."""
     instance_type: str | None = None
     """Pin to an instance type (label `node.kubernetes.io/instance-type`), e.g. ml.p5.48xlarge."""
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -309,7 +330,10 @@ class ServingSpec(_Model):
     """Serve the exported LoRA adapter after the job succeeds."""
 
     enabled: bool = False
-    """Create a serving deployment for the adapter when the job succeeds."""
+    """When the job succeeds, create a KubeRay RayService (Ray Serve LLM) that serves the exported adapter. Needs
+    the annotation `daedalus.dev/serving-lora-uri` on the job: the object-store URI (s3://, gs://, abfss://,
+    azure://) the adapter is mirrored to, since Ray Serve LLM loads LoRA adapters from object storage only; without
+    it the job succeeds with a ServingNotConfigured warning event and nothing is served."""
     replicas: int = Field(1, ge=1, le=100, strict=True)
     """Serving replicas."""
     image: str | None = None
@@ -645,6 +669,17 @@ def _loc_to_path(loc: tuple) -> str:
     return "".join(parts)
 
 
+def _unquoted(value: Any) -> Any:
+    """The number or boolean a quoted YAML scalar would be without its quotes (``"0.002"`` -> 0.002), else None."""
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return None
+    return parsed if isinstance(parsed, (bool, int, float)) else None
+
+
 def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
     out = []
     for err in exc.errors():
@@ -652,6 +687,12 @@ def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
         msg = err["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
+        elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == QUANTITY_PATTERN:
+            msg = f"must be a Kubernetes quantity such as \"4\", \"500m\" or \"16Gi\"; got {err['input']!r}"
+        elif err["type"] == "string_type" and isinstance(err.get("input"), (int, float)):
+            msg += f" (got the number {err['input']!r}: quote it)"
+        elif err["type"] in ("float_type", "bool_type", "int_type") and _unquoted(err.get("input")) is not None:
+            msg += f" (got the string {err['input']!r}: unquote it, the API server does not convert strings)"
         # Cross-field rules raise "<path>: message" lines from the model validator: lift the paths out.
         lines = msg.split("\n")
         if all(": " in line and line.split(": ", 1)[0].startswith("spec") for line in lines):
@@ -675,7 +716,9 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
     if obj.get("apiVersion", API_VERSION) != API_VERSION:
         errors.append(("apiVersion", f"expected {API_VERSION!r}, got {obj.get('apiVersion')!r}"))
     try:
-        job = RLTrainingJob.model_validate(obj)
+        # As the API server reads a manifest: types strict ("0.002" is not a number, "true" not a boolean) and only
+        # the camelCase field names of the CRD (a snake_case key would be an unknown field there).
+        job = RLTrainingJob.model_validate(obj, strict=True, by_alias=True, by_name=False)
     except ValidationError as exc:
         errors.extend(_errors_from(exc))
         raise SpecError(errors, source) from None
@@ -690,10 +733,20 @@ def load_documents(path: str | Path) -> list[Any]:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        SpecError: the YAML is malformed or the file holds no document.
+        SpecError: the file is a directory, not UTF-8 text or unreadable, the YAML is malformed, or the file holds
+            no document.
     """
     path = Path(path)
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise SpecError([("(file)", "is a directory, not a YAML or JSON file")], str(path)) from None
+    except UnicodeDecodeError:
+        raise SpecError([("(file)", "is not UTF-8 text: expected a YAML or JSON file")], str(path)) from None
+    except OSError as exc:
+        raise SpecError([("(file)", f"cannot be read: {exc.strerror or exc}")], str(path)) from None
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:

@@ -5,7 +5,9 @@ Stages, each resumable (run the command again after an interrupt and it continue
 1. SFT starting point: `model.sftAdapter` if set, else (tiny model) supervised fine-tuning on solver demonstrations
    into ``runs/<name>/sft/``.
 2. Evaluation of the starting point on the held-out mazes (greedy and sampled), cached in ``eval-before.json``, and
-   greedy on as many mazes on training layouts (``eval-before-training.json``).
+   greedy on as many mazes on training layouts (``eval-before-training.json``). The cache is used only while it
+   describes the same start (:func:`start_fingerprint`): a retrained or continued SFT model, another evaluation
+   set or sampling setting, or ``--resume none`` evaluates again.
 3. GRPO with a LoRA adapter on a local Ray (`spec.cluster` is ignored), checkpoints in ``runs/<name>/checkpoints/``,
    metrics and control on http://127.0.0.1:<port>/metrics.
 4. Evaluation of the trained adapter (the same two sets), then a before/after table, ``report.json`` and
@@ -39,6 +41,27 @@ def _free_port(preferred: int) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_fingerprint(job, model_path: str, adapter_path: str | None) -> str:
+    """What the cached evaluation of the starting point depends on, as a sha256 hex digest: the name, size in bytes
+    and modification time (ns) of every weight file (``*.safetensors``, ``*.bin``) in ``model_path`` and
+    ``adapter_path``, and the job's ``environment`` and sampling settings (``temperature``, ``topP``,
+    ``maxTokensPerTurn``). File metadata rather than content, so a multi-GB base model costs no read; any new save
+    of the weights changes the modification time."""
+    import hashlib
+
+    files = []
+    for d in (model_path, adapter_path):
+        if d:
+            for f in sorted(Path(d).iterdir()):
+                if f.suffix in (".safetensors", ".bin") and f.is_file():
+                    st = f.stat()
+                    files.append([str(f), st.st_size, st.st_mtime_ns])
+    algo = job.spec.algorithm
+    key = {"files": files, "environment": job.spec.environment.model_dump(mode="json"),
+           "sampling": [algo.temperature, algo.top_p, algo.max_tokens_per_turn]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
 def _evaluate(job, model_path: str, adapter_path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -80,6 +103,14 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     job = load_job(job_path)
     run_dir = Path(runs_dir) / job.metadata.name
     run_dir.mkdir(parents=True, exist_ok=True)
+    if resume not in ("latest", "none"):  # a GRPO checkpoint path: verify it now, not after SFT and an evaluation
+        from daedalus_trainer.checkpoint import CheckpointError, resolve_resume
+
+        try:
+            resolve_resume(resume, run_dir / "checkpoints")
+        except CheckpointError as exc:
+            console.print(f"[red]--resume {resume}: {exc}[/red]")
+            return 2
     console.print(f"[bold]daedalus run[/bold] {job_path}: job [cyan]{job.metadata.name}[/cyan] -> {run_dir}/ "
                   "(local mode: spec.cluster is ignored)")
 
@@ -118,14 +149,21 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
 
     # 2. before
     before_file, before_training_file = run_dir / "eval-before.json", run_dir / "eval-before-training.json"
-    if before_file.is_file() and before_training_file.is_file():
+    fingerprint = start_fingerprint(job, eval_model, start_adapter)
+    before = before_training = None
+    if resume != "none" and before_file.is_file() and before_training_file.is_file():
         before = json.loads(before_file.read_text())
         before_training = json.loads(before_training_file.read_text())
-    else:
+        if before.get("start_fingerprint") != fingerprint or before_training.get("start_fingerprint") != fingerprint:
+            console.print("the starting point or the evaluation settings changed since eval-before.json was "
+                          "written: evaluating it again")
+            before = before_training = None
+    if before is None or before_training is None:
         console.rule("Evaluation of the starting point (held-out and training layouts)")
         before, before_training = _evaluate(job, eval_model, start_adapter)
-        before_file.write_text(json.dumps(before, indent=2))
-        before_training_file.write_text(json.dumps(before_training, indent=2))
+        for ev, path in ((before, before_file), (before_training, before_training_file)):
+            ev["start_fingerprint"] = fingerprint
+            path.write_text(json.dumps(ev, indent=2))
 
     # 3. GRPO
     console.rule("GRPO (LoRA) on a local Ray")
