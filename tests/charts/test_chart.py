@@ -418,6 +418,15 @@ def test_dashboard_configmaps(rendered: dict[str, list[dict[str, Any]]]) -> None
         assert json.loads(text) == json.loads(path.read_text())
 
 
+def test_operator_dashboard_follows_the_scrape_job_label(chart: Helm) -> None:
+    """The "Operator up" panel queries the scrape job the chart's ServiceMonitor names (jobLabel), like the alert."""
+    docs = chart.template({"dashboards": {"enabled": True}, "metrics": {"serviceMonitor": {"jobLabel": "ops/daedalus"}}})
+    cm = next(c for c in by_kind(docs, "ConfigMap") if c["metadata"]["name"].endswith("-dashboard-operator"))
+    exprs = [t["expr"] for p in json.loads(cm["data"]["daedalus-operator.json"])["panels"] for t in p.get("targets", [])]
+    assert 'sum(up{job="ops/daedalus"})' in exprs
+    assert not any('job="daedalus-operator"' in e for e in exprs)
+
+
 def test_dashboards_can_go_to_grafanas_namespace(chart: Helm) -> None:
     docs = chart.template({"dashboards": {"namespace": "monitoring"}})
     assert {cm["metadata"]["namespace"] for cm in by_kind(docs, "ConfigMap")} == {"monitoring"}
