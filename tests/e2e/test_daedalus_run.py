@@ -33,7 +33,7 @@ def _run(job_file, runs_dir) -> subprocess.CompletedProcess:
 
 
 def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
-    job = tiny_job_dict(model={"sftAdapter": str(sft_start)}, environment={"evalMazes": 8},
+    job = tiny_job_dict(model={"sftAdapter": str(sft_start)}, environment={"evalMazes": 8, "evalCorners": 2},
                         algorithm={"steps": 2, "mazesPerStep": 2, "groupSize": 2}, checkpoint={"intervalSteps": 1})
     job["metadata"]["name"] = "run-e2e"
     job_file = tmp_path / "job.yaml"
@@ -46,12 +46,21 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     report = json.loads((run_dir / "report.json").read_text())
     assert ISSUE_KEYS <= report.keys()
     assert report["steps"] == 2 and report["eval_mazes"] == 8
+    assert report["eval_corners"] == 2 and report["eval_episodes"] == 16  # 8 held-out layouts x 2 corner pairs
+    g_before, g_after = report["before"]["results"][0], report["after"]["results"][0]
+    assert len(g_before["outcomes"]) == len(g_after["outcomes"]) == 16
+    gain = report["gain"]
+    assert gain["episodes"] == 16 and gain["corners"] == 2
+    assert gain["gain"] == pytest.approx(report["success_after"] - report["success_before"])
+    assert gain["fixed"] == sum(a > b for a, b in zip(g_after["outcomes"], g_before["outcomes"]))
+    assert gain["broken"] == sum(a < b for a, b in zip(g_after["outcomes"], g_before["outcomes"]))
+    assert gain["ci_low"] <= gain["gain"] <= gain["ci_high"]
     assert report["wall_seconds"] >= report["grpo_wall_seconds"] > 0
     for when in ("before", "after"):
         rate, (low, high) = report[f"success_{when}"], report[f"ci95_{when}"]
-        assert 0.0 <= low <= rate <= high <= 1.0 and high - low > 0.1  # Wilson interval of 8 episodes is wide
+        assert 0.0 <= low <= rate <= high <= 1.0 and high - low > 0.1  # 8 layouts: a wide interval
         assert report[when]["split"] == "held-out" and report[f"{when}_training"]["split"] == "training"
-        assert report[f"{when}_training"]["mazes"] == 8
+        assert report[f"{when}_training"]["mazes"] == 8 and report[f"{when}_training"]["corners"] == 1
         assert report[f"training_success_{when}"] == report[f"{when}_training"]["results"][0]["success_rate"]
     assert report["success_before"] == json.loads((run_dir / "eval-before.json").read_text())["results"][0][
         "success_rate"]
@@ -63,6 +72,8 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     assert "SFT start" in out and "after GRPO" in out and "greedy, training layouts" in out
     assert f"{report['success_before']:.1%}" in out and f"{report['success_after']:.1%}" in out
     assert "GRPO steps: 2 in" in out
+    assert "8 layouts x 2 start/goal corner pairs" in out and "held-out greedy gain:" in out
+    assert f"{gain['fixed']} episodes fixed, {gain['broken']} broken" in out
 
     again = _run(job_file, runs)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

@@ -25,13 +25,14 @@ def set_spec_fields(spec: dict, **overrides) -> dict:
 def tiny_job_dict(**spec_overrides) -> dict:
     """examples/local-tiny.yaml with small sizes for tests; ``spec_overrides`` maps section -> fields to update.
 
-    Defaults: size-7 mazes, 16 eval mazes, success on arrival within 16 turns (a half-trained policy then gets mixed
-    rewards, so GRPO updates are real), 2 mazes x 4 episodes per step, 6 steps, checkpoints every 3 steps.
+    Defaults: size-7 mazes, 16 eval mazes (one corner pair each), success on arrival within 16 turns (a half-trained
+    policy then gets mixed rewards, so GRPO updates are real), 2 mazes x 4 episodes per step, 6 steps, checkpoints
+    every 3 steps.
     """
     job = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
     job["metadata"] = {"name": "e2e", "namespace": "default"}
     spec = job["spec"]
-    spec["environment"].update({"evalMazes": 16, "successOn": "arrival", "maxTurns": 16})
+    spec["environment"].update({"evalMazes": 16, "evalCorners": 1, "successOn": "arrival", "maxTurns": 16})
     spec["algorithm"].update({"groupSize": 4, "mazesPerStep": 2, "steps": 6, "maxTokensPerTurn": 10})
     # demonstrations only: the suite's SFT start (and thresholds measured from it) stay as measured before DAgger
     spec["sft"].update({"steps": 150, "batchSize": 16, "maxSeconds": 120, "onPolicyFraction": 0.0})

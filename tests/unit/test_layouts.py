@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from daedalus_trainer.envs import count_layouts
+from daedalus_trainer.envs import Maze, corner_pairs, count_layouts
 from daedalus_trainer.layouts import (
     LayoutError,
     TrainingSampler,
@@ -16,6 +16,7 @@ from daedalus_trainer.layouts import (
     eval_mazes,
     possible_layouts,
     training_eval_mazes,
+    with_corner_pairs,
 )
 
 
@@ -85,3 +86,28 @@ def test_layout_count_estimate_matches_exact_count():
     assert possible_layouts(9) == 100352
     for size in (7, 9, 11, 13):
         assert estimate_layouts(size) == pytest.approx(count_layouts(size), rel=1e-9)
+
+
+def test_eval_corners_play_each_held_out_layout_from_several_corner_pairs():
+    drawn = eval_mazes(env())
+    four = eval_mazes(SimpleNamespace(size=7, eval_mazes=64, eval_seed=1234, eval_corners=4))
+    assert len(four) == 256 and four[::4] == drawn  # the drawn maze first, then the other pairs of its walls
+    for i in range(64):
+        group = four[4 * i: 4 * i + 4]
+        assert len({m.layout_hash() for m in group}) == 1
+        assert len({(m.start, m.goal) for m in group}) == 4
+        assert {(m.start, m.goal) for m in group} == set(corner_pairs(7))
+    assert eval_layout_hashes(SimpleNamespace(size=7, eval_mazes=64, eval_seed=1234, eval_corners=4)) == {
+        m.layout_hash() for m in drawn}  # what training excludes does not change
+    two = eval_mazes(SimpleNamespace(size=7, eval_mazes=64, eval_seed=1234, eval_corners=2), n=3)
+    assert len(two) == 6 and two[::2] == drawn[:3]  # n counts layouts
+
+
+def test_with_corner_pairs_rejects_a_maze_that_does_not_start_in_a_corner():
+    maze = eval_mazes(env())[0]
+    inner = Maze(walls=maze.walls, start=(3, 3) if not maze.walls[3, 3] else (1, 3), goal=maze.goal)
+    assert with_corner_pairs([inner], 1) == [inner]
+    with pytest.raises(ValueError, match="not an opposite-corner pair"):
+        with_corner_pairs([inner], 2)
+    with pytest.raises(ValueError, match="corners must be 1-4"):
+        with_corner_pairs([maze], 5)

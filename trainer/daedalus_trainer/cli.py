@@ -218,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("config", help="RLTrainingJob YAML (environment and eval set)")
     s.add_argument("--model", required=True, help="model directory")
     s.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory")
-    s.add_argument("--mazes", type=_positive_int, default=None, help="evaluate on the first N mazes of the set")
+    s.add_argument("--mazes", type=_positive_int, default=None,
+                   help="evaluate on the first N mazes of the set (held-out: N layouts, each played from "
+                        "environment.evalCorners start/goal corner pairs)")
     s.add_argument("--split", choices=("held-out", "training"), default="held-out",
                    help="held-out: the evaluation layouts, excluded from training (default); training: as many mazes "
                         "on layouts training draws from (what training learned where it trained)")

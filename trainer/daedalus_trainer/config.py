@@ -189,6 +189,12 @@ class EnvironmentSpec(_Model):
     """Size of the held-out evaluation set; its layouts are excluded from every training sampler."""
     eval_seed: int = Field(1234, ge=0, strict=True)
     """Seed of the held-out evaluation set."""
+    eval_corners: int = Field(1, ge=1, le=4, strict=True)
+    """Start/goal corner pairs each held-out layout is played from: 1 = the pair drawn with the maze; up to 4 =
+    that pair and the next of VisGym's four opposite-corner pairs. `evalMazes x evalCorners` episodes per
+    evaluation, on the same layouts: a tighter interval for the same held-out set (the intervals then resample
+    layouts, not episodes, since corner pairs of one layout are not independent). The check on training layouts
+    keeps one pair per maze."""
 
     @field_validator("size")
     @classmethod

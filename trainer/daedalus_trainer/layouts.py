@@ -14,12 +14,13 @@ or leaves too few training layouts: fewer than :data:`MIN_TRAINING_LAYOUTS`, or 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from daedalus_trainer.envs import Maze, count_layouts, generate_maze
+from daedalus_trainer.envs import Maze, corner_pairs, count_layouts, generate_maze
 
 #: A training set smaller than this is too small to learn navigation rather than memorise layouts.
 MIN_TRAINING_LAYOUTS = 16
@@ -137,19 +138,51 @@ def _distinct_mazes(size: int, count: int, rng: np.random.Generator, excluded: f
 
 def eval_mazes(env_spec: Any, n: int | None = None) -> list[Maze]:
     """The held-out evaluation set: ``env_spec.eval_mazes`` mazes with distinct layouts, drawn in order from
-    ``np.random.default_rng(env_spec.eval_seed)`` (a repeated layout is skipped). Deterministic.
+    ``np.random.default_rng(env_spec.eval_seed)`` (a repeated layout is skipped), each played from
+    ``env_spec.eval_corners`` start/goal corner pairs (:func:`with_corner_pairs`; 1 when the spec has no such
+    field). Deterministic.
 
     Args:
-        env_spec: ``EnvironmentSpec``-like (``size``, ``eval_mazes``, ``eval_seed``).
-        n: return only the first ``n`` (the full set still defines what training excludes).
+        env_spec: ``EnvironmentSpec``-like (``size``, ``eval_mazes``, ``eval_seed``, optional ``eval_corners``).
+        n: only the first ``n`` layouts (the full set still defines what training excludes).
+
+    Returns:
+        ``eval_mazes`` (or ``n``) ``* eval_corners`` mazes, the corner pairs of one layout next to each other.
 
     Raises:
         LayoutError: see :func:`check_layouts`.
     """
     check_layouts(env_spec)
     rng = np.random.default_rng(int(env_spec.eval_seed))
-    mazes = _distinct_mazes(int(env_spec.size), int(env_spec.eval_mazes), rng)
-    return mazes if n is None else mazes[: int(n)]
+    drawn = _distinct_mazes(int(env_spec.size), int(env_spec.eval_mazes), rng)
+    return with_corner_pairs(drawn if n is None else drawn[: int(n)], eval_corners(env_spec))
+
+
+def eval_corners(env_spec: Any) -> int:
+    """Corner pairs per held-out layout (``environment.evalCorners``; 1 for specs without the field)."""
+    return int(getattr(env_spec, "eval_corners", 1))
+
+
+def with_corner_pairs(mazes: Sequence[Maze], corners: int) -> list[Maze]:
+    """Each maze followed by its own walls from the next ``corners - 1`` opposite-corner start/goal pairs
+    (:func:`daedalus_trainer.envs.corner_pairs` order, cyclically after the maze's own pair).
+
+    Raises:
+        ValueError: ``corners`` outside 1-4.
+    """
+    if not 1 <= int(corners) <= 4:
+        raise ValueError(f"corners must be 1-4, got {corners}")
+    out: list[Maze] = []
+    for maze in mazes:
+        pairs = corner_pairs(maze.size)
+        own = pairs.index((maze.start, maze.goal)) if (maze.start, maze.goal) in pairs else None
+        out.append(maze)
+        if corners > 1 and own is None:
+            raise ValueError(f"maze start {maze.start} / goal {maze.goal} is not an opposite-corner pair")
+        for k in range(1, int(corners)):
+            start, goal = pairs[(own + k) % len(pairs)]
+            out.append(Maze(walls=maze.walls, start=start, goal=goal))
+    return out
 
 
 #: Second key of the random stream of :func:`training_eval_mazes` (the held-out set uses ``eval_seed`` alone).

@@ -196,8 +196,11 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
     curves = _plot_curves(result.history, run_dir / "curves.png", before, after, (before_training, after_training))
 
-    table = Table(title=f"{job.metadata.name}: held-out success ({report['eval_mazes']} mazes, size "
-                        f"{job.spec.environment.size}, layouts unseen in training)")
+    corners = report["eval_corners"]
+    episodes = (f"{report['eval_mazes']} mazes" if corners == 1 else
+                f"{report['eval_mazes']} layouts x {corners} start/goal corner pairs")
+    table = Table(title=f"{job.metadata.name}: held-out success ({episodes}, size {job.spec.environment.size}, "
+                        "layouts unseen in training)")
     table.add_column("policy", no_wrap=True)
     table.add_column("greedy success", justify="right")
     table.add_column("95% CI", justify="right", no_wrap=True)
@@ -211,6 +214,12 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                       f"{s['success_rate']:.1%}" if s else "-", f"{g['mean_turns']:.1f}",
                       f"{_greedy(ev_training)['success_rate']:.1%}")
     console.print(table)
+    gain = report["gain"]
+    if gain is not None:
+        pairs = "layouts" if corners > 1 else "mazes"
+        console.print(f"held-out greedy gain: {100 * gain['gain']:+.1f} points, 95% CI [{100 * gain['ci_low']:+.1f}, "
+                      f"{100 * gain['ci_high']:+.1f}] (the same {gain['episodes']} episodes before and after, "
+                      f"bootstrap over {pairs}); {gain['fixed']} episodes fixed, {gain['broken']} broken")
     console.print(f"GRPO steps: {report['steps']} in {report['grpo_wall_seconds']:.0f} s  "
                   f"whole run: {report['wall_seconds']:.0f} s  "
                   f"adapter: {result.adapter_dir}  curves: {curves}  report: {run_dir / 'report.json'}")
@@ -231,11 +240,20 @@ def _sampled(ev: dict) -> dict | None:
 
 
 def _report(job, before: dict, after: dict, result, wall: float, training: tuple[dict, dict]) -> dict[str, Any]:
-    """The figures of ``report.json``: ``success_before``/``success_after`` (greedy, held-out), their 95% Wilson
-    intervals ``ci95_before``/``ci95_after``, ``steps``, ``wall_seconds`` (keys fixed by the GRPO issue), sampled
+    """The figures of ``report.json``: ``success_before``/``success_after`` (greedy, held-out), their 95% intervals
+    ``ci95_before``/``ci95_after`` (Wilson; a layout bootstrap with ``evalCorners`` > 1), ``steps``,
+    ``wall_seconds`` (keys fixed by the GRPO issue), ``gain`` (:func:`~daedalus_trainer.evaluation.paired_gain` of
+    the greedy held-out episodes: ``gain``, ``ci_low``, ``ci_high`` as fractions, episodes ``fixed``/``broken``;
+    None when an evaluation lacks per-episode outcomes), ``eval_mazes`` (layouts) and ``eval_corners``, sampled
     success, GRPO seconds, ``training_success_before``/``training_success_after`` (greedy on training layouts, from
     ``training`` = the before/after evaluations there); the full evaluation reports under ``before``, ``after``,
     ``before_training``, ``after_training``."""
+    from daedalus_trainer.evaluation import paired_gain
+
+    g_before, g_after = _greedy(before), _greedy(after)
+    corners = int(g_after.get("corners", 1))
+    gain = (paired_gain(g_before["outcomes"], g_after["outcomes"], corners)
+            if g_before.get("outcomes") and g_after.get("outcomes") else None)
     return {
         "job": job.metadata.name,
         "success_before": _greedy(before)["success_rate"],
@@ -244,7 +262,10 @@ def _report(job, before: dict, after: dict, result, wall: float, training: tuple
         "ci95_after": [_greedy(after)["ci_low"], _greedy(after)["ci_high"]],
         "sampled_success_before": (_sampled(before) or {}).get("success_rate"),
         "sampled_success_after": (_sampled(after) or {}).get("success_rate"),
-        "eval_mazes": _greedy(after)["episodes"],
+        "gain": gain,
+        "eval_mazes": g_after["episodes"] // corners,
+        "eval_corners": corners,
+        "eval_episodes": g_after["episodes"],
         "steps": result.steps_done,
         "wall_seconds": wall,
         "grpo_wall_seconds": result.wall_seconds,

@@ -58,7 +58,7 @@ import torch
 from daedalus_trainer import prompts
 from daedalus_trainer.envs import DIRECTIONS, STOP, distance_map, format_action, solve
 from daedalus_trainer.envs.maze import DELTAS
-from daedalus_trainer.layouts import TrainingSampler, check_layouts, eval_mazes
+from daedalus_trainer.layouts import TrainingSampler, check_layouts, eval_corners, eval_mazes
 from daedalus_trainer.policy import Policy, TokenSequence, load_policy, load_pretrained, resolve_base_dir
 from daedalus_trainer.rollout.episode import make_env
 
@@ -646,7 +646,8 @@ def _greedy_eval(policy: Policy, spec: Any) -> dict[str, Any]:
     sampling = SamplingParams(temperature=0.0, max_tokens=spec.algorithm.max_tokens_per_turn)
     was = policy.model.training
     try:
-        result, _ = evaluate(engine, eval_mazes(spec.environment), spec.environment, sampling, mode="greedy")
+        result, _ = evaluate(engine, eval_mazes(spec.environment), spec.environment, sampling, mode="greedy",
+                             corners=eval_corners(spec.environment))
     finally:
         policy.model.train(was)
     return result.to_dict()

@@ -254,10 +254,17 @@ def generate_maze(size: int, rng: np.random.Generator) -> Maze:
             walls[r1 + r2 + 1, c1 + c2 + 1] = False  # the wall between rooms (2r1+1, 2c1+1) and (2r2+1, 2c2+1)
             room = nxt[room]
 
-    lo, hi = 1, size - 2
-    corners = (((lo, lo), (hi, hi)), ((hi, hi), (lo, lo)), ((hi, lo), (lo, hi)), ((lo, hi), (hi, lo)))
+    corners = corner_pairs(size)
     start, goal = corners[int(rng.integers(len(corners)))]
     return Maze(walls=walls, start=start, goal=goal)
+
+
+def corner_pairs(size: int) -> tuple[tuple[Cell, Cell], ...]:
+    """VisGym's four opposite-corner ``(start, goal)`` pairs of a maze of side ``size`` (interior corners: row and
+    column 1 or ``size - 2``): top-left -> bottom-right, its reverse, bottom-left -> top-right, its reverse. The
+    order :func:`generate_maze` draws from."""
+    lo, hi = 1, int(size) - 2
+    return (((lo, lo), (hi, hi)), ((hi, hi), (lo, lo)), ((hi, lo), (lo, hi)), ((lo, hi), (hi, lo)))
 
 
 def maze_from_seed(size: int, seed: int) -> Maze:
