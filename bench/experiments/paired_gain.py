@@ -61,7 +61,7 @@ def main() -> None:
 
     job = parse_job(load_example())
     env = job.spec.environment
-    drawn = eval_mazes(env.model_copy(update={"eval_corners": 1})) if a.split == "held-out" else training_eval_mazes(env)
+    drawn = eval_mazes(env) if a.split == "held-out" else training_eval_mazes(env)  # load_example: 1 pair each
     mazes = with_corner_pairs(drawn, 4)  # the drawn pair first: mazes[::4] == drawn
     greedy = SamplingParams(0.0, 1.0, job.spec.algorithm.max_tokens_per_turn)
 

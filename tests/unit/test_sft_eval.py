@@ -332,7 +332,8 @@ def test_summarize_counts_turn_rates_and_optimal_ratio(tiny_policy, tiny_job):
                     reason="~7-8 min: set DAEDALUS_SFT_ACCEPTANCE=1 to run the tiny SFT acceptance measurement")
 def test_local_tiny_sft_reaches_half_held_out_success(tmp_path):
     """examples/local-tiny.yaml: SFT within its time budget (<= 6 min) reaches >= 50% greedy success on the 64
-    held-out size-7 mazes, and `daedalus eval` reproduces the figure from the saved checkpoint."""
+    held-out size-7 layouts (each from the example's `evalCorners` start/goal pairs), and `daedalus eval` reproduces
+    the figure from the saved checkpoint."""
     from daedalus_trainer.config import load_job
 
     job = load_job(ROOT / "examples" / "local-tiny.yaml")

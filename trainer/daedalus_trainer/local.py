@@ -241,7 +241,7 @@ def _sampled(ev: dict) -> dict | None:
 
 def _report(job, before: dict, after: dict, result, wall: float, training: tuple[dict, dict]) -> dict[str, Any]:
     """The figures of ``report.json``: ``success_before``/``success_after`` (greedy, held-out), their 95% intervals
-    ``ci95_before``/``ci95_after`` (Wilson; a layout bootstrap with ``evalCorners`` > 1), ``steps``,
+    ``ci95_before``/``ci95_after`` (Wilson; on the design-effect sample size with ``evalCorners`` > 1), ``steps``,
     ``wall_seconds`` (keys fixed by the GRPO issue), ``gain`` (:func:`~daedalus_trainer.evaluation.paired_gain` of
     the greedy held-out episodes: ``gain``, ``ci_low``, ``ci_high`` as fractions, episodes ``fixed``/``broken``;
     None when an evaluation lacks per-episode outcomes), ``eval_mazes`` (layouts) and ``eval_corners``, sampled
