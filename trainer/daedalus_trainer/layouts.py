@@ -168,7 +168,7 @@ def with_corner_pairs(mazes: Sequence[Maze], corners: int) -> list[Maze]:
     (:func:`daedalus_trainer.envs.corner_pairs` order, cyclically after the maze's own pair).
 
     Raises:
-        ValueError: ``corners`` outside 1-4.
+        ValueError: ``corners`` outside 1-4, or above 1 for a maze whose start and goal are not opposite corners.
     """
     if not 1 <= int(corners) <= 4:
         raise ValueError(f"corners must be 1-4, got {corners}")
