@@ -222,8 +222,18 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                       f"bootstrap over {pairs}); {gain['fixed']} episodes fixed, {gain['broken']} broken")
     console.print(f"GRPO steps: {report['steps']} in {report['grpo_wall_seconds']:.0f} s  "
                   f"whole run: {report['wall_seconds']:.0f} s  "
-                  f"adapter: {result.adapter_dir}  curves: {curves}  report: {run_dir / 'report.json'}")
+                  f"adapter: {_shown(result.adapter_dir)}  curves: {_shown(curves)}  "
+                  f"report: {_shown(run_dir / 'report.json')}")
     return 0
+
+
+def _shown(path: str | Path) -> str:
+    """``path`` relative to the working directory when it lies below it (shorter on a terminal), else absolute."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)
 
 
 def _mode(ev: dict, mode: str) -> dict | None:

@@ -505,12 +505,10 @@ def run_sft(
     def spent() -> float:
         return max(state.step / max(1, max_steps), state.seconds / max_seconds if max_seconds > 0 else 0.0)
 
-    # With a time budget the bar counts training seconds (the budget that usually ends the run, so its estimate of
-    # the time left holds); otherwise steps.
-    by_time = max_seconds > 0
-    bar = tqdm(total=round(max_seconds) if by_time else max_steps,
-               initial=round(state.seconds) if by_time else state.step, unit="s" if by_time else "step", desc="sft",
-               disable=not progress, dynamic_ncols=True, file=sys.stderr)
+    # The bar counts percent of the budget spent (spent(): steps or seconds, whichever binds), so it reaches 100%
+    # whichever budget ends the run and its estimate of the time left follows the binding one.
+    bar = tqdm(total=100, initial=min(100, round(100 * spent())), unit="%", desc="sft", disable=not progress,
+               dynamic_ncols=True, file=sys.stderr, bar_format="{l_bar}{bar}| [{elapsed}<{remaining}{postfix}]")
     last_ckpt = state.seconds
     marks = sorted(float(m) for m in snapshot_seconds if m > state.seconds)
     window_loss, window_tokens, window_time = [], 0, 0.0
@@ -548,11 +546,8 @@ def run_sft(
             window_loss.append(loss.detach().item())
             window_tokens += n_tok
             window_time += dt
-            if by_time:
-                bar.n = min(round(state.seconds), bar.total)
-                bar.refresh()
-            else:
-                bar.update(1)
+            bar.n = min(100, round(100 * spent()))
+            bar.refresh()
             bar.set_postfix(step=state.step, loss=f"{window_loss[-1]:.3f}",
                             tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}", **pool_postfix())
             if state.step % log_every == 0 or not budget_left():
