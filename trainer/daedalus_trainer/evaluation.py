@@ -69,6 +69,18 @@ def wilson_interval(successes: float, n: float, z: float = Z95) -> tuple[float, 
 BOOTSTRAP_RESAMPLES = 10_000
 
 
+def _by_layout(outcomes: Sequence[float], corners: int) -> np.ndarray:
+    """``outcomes`` as a ``[layouts, corners]`` float array.
+
+    Raises:
+        ValueError: no outcomes, or their count is not a multiple of ``corners``.
+    """
+    values = np.asarray(outcomes, dtype=np.float64)
+    if values.size == 0 or corners < 1 or values.size % corners:
+        raise ValueError(f"{values.size} outcomes do not split into layouts of {corners} episodes")
+    return values.reshape(-1, corners)
+
+
 def clustered_wilson_interval(outcomes: Sequence[float], corners: int, z: float = Z95) -> tuple[float, float]:
     """95% Wilson interval of a success rate over episodes grouped by layout, on the effective sample size
     ``n_eff = p(1-p) / Var(p)`` with ``Var(p)`` estimated from the per-layout rates (Kish's design effect: Kish
@@ -83,14 +95,12 @@ def clustered_wilson_interval(outcomes: Sequence[float], corners: int, z: float 
     Raises:
         ValueError: no outcomes, or their count is not a multiple of ``corners``.
     """
-    values = np.asarray(outcomes, dtype=np.float64)
-    if values.size == 0 or corners < 1 or values.size % corners:
-        raise ValueError(f"{values.size} outcomes do not split into layouts of {corners} episodes")
-    n, layouts = values.size, values.size // corners
+    values = _by_layout(outcomes, corners)
+    n, layouts = values.size, values.shape[0]
     p = float(values.mean())
     if corners == 1:
         return wilson_interval(int(values.sum()), n, z)
-    per_layout = values.reshape(layouts, corners).mean(axis=1)
+    per_layout = values.mean(axis=1)
     var_p = float(per_layout.var(ddof=1)) / layouts if layouts > 1 else 0.0
     if 0.0 < p < 1.0:
         n_eff = min(float(n), max(float(layouts), p * (1 - p) / var_p)) if var_p > 0 else float(n)
@@ -116,10 +126,7 @@ def layout_bootstrap_interval(outcomes: Sequence[float], corners: int, resamples
     Raises:
         ValueError: no outcomes, or their count is not a multiple of ``corners``.
     """
-    values = np.asarray(outcomes, dtype=np.float64)
-    if values.size == 0 or corners < 1 or values.size % corners:
-        raise ValueError(f"{values.size} outcomes do not split into layouts of {corners} episodes")
-    per_layout = values.reshape(-1, corners).mean(axis=1)
+    per_layout = _by_layout(outcomes, corners).mean(axis=1)
     draws = np.random.default_rng(seed).integers(0, per_layout.size, size=(resamples, per_layout.size))
     low, high = np.percentile(per_layout[draws].mean(axis=1), [2.5, 97.5])
     return float(low), float(high)
