@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import yaml
@@ -21,12 +20,11 @@ EXAMPLE = str(ROOT / "examples" / "local-tiny.yaml")
     ["train", "--config", EXAMPLE, "--resume", "/no/such/checkpoint"],
 ])
 def test_resume_typo_is_rejected_before_anything_runs(argv, capsys):
-    started = time.perf_counter()
+    # argparse exits with 2 while parsing: no subcommand function (SFT, Ray, training) has been called
     with pytest.raises(SystemExit) as info:
         cli.main(argv)
     assert info.value.code == 2
     assert "expected 'latest', 'none' or the path of a checkpoint" in capsys.readouterr().err
-    assert time.perf_counter() - started < 5  # argparse, not SFT
 
 
 @pytest.mark.parametrize("value,message", [("0", "must be at least 1"), ("-3", "must be at least 1"),

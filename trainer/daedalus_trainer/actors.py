@@ -196,9 +196,12 @@ class Learner:
 
         started = time.perf_counter()
         algo = self.job.spec.algorithm
-        lr = learning_rate_at(algo, step) if step is not None else float(self.optimizer.param_groups[0]["lr"])
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        if step is None:
+            lr = float(self.optimizer.param_groups[0]["lr"])
+        else:
+            lr = learning_rate_at(algo, step)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         n = len(trajectories)
         if group_size < 1 or n % group_size:
             raise ValueError(f"{n} trajectories do not form groups of {group_size}")

@@ -311,7 +311,8 @@ class Trainer:
             ``<checkpoint.path>/<namespace>/<name>``).
         start_dir: SFT starting point (full model or PEFT adapter dir); default ``job.spec.model.sft_adapter``.
         work_dir: where the tiny base model is built (default ``run_dir``).
-        rollout_workers: number of rollout actors (default: 2 on CPU, one per GPU the learner leaves; :func:`actor_layout`).
+        rollout_workers: number of rollout actors (default: 2 on CPU, one per GPU the learner leaves;
+            :func:`actor_layout`).
         control / metrics: shared with the HTTP endpoint (:mod:`daedalus_trainer.server`); created if None.
         on_step: called with each step's metrics dict (progress bars).
         final_eval: evaluate the final adapter greedily on the held-out mazes (``daedalus_eval_success_ratio``).
