@@ -103,3 +103,63 @@ def test_corrupt_latest_checkpoint_falls_back(uninterrupted, sft_start, tmp_path
     a, b = _adapter(full.adapter_dir), _adapter(result.adapter_dir)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_stop_right_after_a_resume_answers_with_the_checkpoint_resumed_from(uninterrupted, sft_start, tmp_path):
+    """A stop that reaches a resumed trainer before its first step: no new save is needed, and the caller (the
+    operator, before a node replacement) gets the step it resumed from, not an error."""
+    import shutil
+
+    job, run, _ = uninterrupted
+    shutil.copytree(run / "checkpoints" / "step-000003", tmp_path / "checkpoints" / "step-000003")
+    trainer = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2)
+    ticket = trainer.control.request_checkpoint(stop=True)
+    result = trainer.train("latest")
+    assert result.stopped and result.resumed_from == 3 and result.steps_done == 3
+    answer = trainer.control.wait(ticket, timeout=1.0)
+    assert answer is not None and answer.error is None and answer.step == 3
+    assert answer.path.endswith("step-000003")
+
+
+def test_a_failing_loop_still_releases_its_actors(uninterrupted, sft_start, tmp_path):
+    """The step loop raises (here: the progress callback): the actors are killed and their CPUs come back, so the
+    same process can run another Trainer."""
+    import time
+
+    import ray
+
+    job, _, _ = uninterrupted
+    total = ray.cluster_resources()["CPU"]
+    trainer = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2)
+
+    def boom(rec):
+        raise RuntimeError("progress display failed")
+
+    trainer.on_step = boom
+    with pytest.raises(RuntimeError, match="progress display failed") as info:
+        trainer.train("none")
+    # ``info`` keeps the traceback, and with it train()'s frame and its actor handles, alive (as any caller that
+    # logs or re-raises the error does): Ray's out-of-scope clean-up cannot be what frees the CPUs
+    assert info.tb is not None
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == total
+
+
+def test_resume_refuses_a_checkpoint_of_another_lora_adapter(uninterrupted, sft_start, tmp_path):
+    """lora.alpha changed between runs: the checkpoint's tensors would load silently under another scale. The
+    resume (here from an explicit older PATH) is refused before any actor starts, naming the field, and every
+    checkpoint stays where it was: a refused run abandons no timeline."""
+    import shutil
+
+    from daedalus_trainer.checkpoint import CheckpointError
+
+    _, run, _ = uninterrupted
+    shutil.copytree(run / "checkpoints", tmp_path / "checkpoints")
+    job = parse_job(tiny_job_dict(algorithm={"lrSchedule": "cosine"}, lora={"alpha": 8}))
+    with pytest.raises(CheckpointError, match=r"lora_alpha: checkpoint 32\.0, this run 8\.0"):
+        Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2).train(
+            str(tmp_path / "checkpoints" / "step-000003"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(("step-", "abandoned"))
+                  ) == ["step-000003", "step-000006"]

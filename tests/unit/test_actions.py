@@ -532,4 +532,5 @@ def test_huge_input_is_linear_time() -> None:
             parsed = parse_action(text, fmt)
             elapsed = time.perf_counter() - start
             assert parsed.action is None
-            assert elapsed < 2.0, f"{fmt}: {elapsed:.2f} s for {len(text)} characters"
+            # ~0.2 s here; a backtracking matcher takes hours on these inputs, so a loaded CI machine cannot blur it
+            assert elapsed < 30.0, f"{fmt}: {elapsed:.2f} s for {len(text)} characters"

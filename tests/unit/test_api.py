@@ -130,6 +130,9 @@ INVALID = [
     ("spec.algorithm.groupSize", 1, "spec.algorithm.groupSize", "greater than or equal to 2", "schema"),
     ("spec.environment.actionFormat", "json", "spec.environment.actionFormat", "'function'", "schema"),
     ("spec.model.tiny", False, "spec.cluster.workerGroups", "gpusPerWorker", "cel"),
+    # Held-out sets that leave too few training layouts: size 5 has 4 layouts, size 7 192 (at most 96 held out).
+    ("spec.environment.size", 5, "spec.environment.evalMazes", "size 5 has too few layouts", "cel"),
+    ("spec.environment.evalMazes", 97, "spec.environment.evalMazes", "at most 96 at size 7", "cel"),
     # A quoted number is a string to the API server: integer fields are strict (pydantic would coerce "11").
     ("spec.environment.size", "11", "spec.environment.size", "valid integer", "schema"),
     ("spec.algorithm.steps", 30.5, "spec.algorithm.steps", "valid integer", "schema"),
@@ -162,6 +165,12 @@ def test_every_error_is_reported_at_once():
         c.parse_job(obj)
     assert {p for p, _ in info.value.errors} == {
         "spec.environment.size", "spec.algorithm.steps", "spec.lora.targetModules"}
+
+
+def test_wrong_api_version_is_one_error_that_names_both_versions():
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(_set(_local(), "apiVersion", "daedalus.dev/v1"))
+    assert info.value.errors == [("apiVersion", "expected 'daedalus.dev/v1alpha1', got 'daedalus.dev/v1'")]
 
 
 def test_unknown_field_is_an_error():
@@ -202,3 +211,118 @@ def test_malformed_yaml_is_a_spec_error(tmp_path):
     with pytest.raises(c.SpecError) as info:
         c.load_job(f)
     assert info.value.errors[0][0] == "(yaml)"
+
+
+# ------------------------------------------------------------------------------------------------ spec edits mid-run
+def _transition_violations(schema: dict, old: dict, new: dict, path: str = "") -> list[str]:
+    """Evaluate every CEL transition rule (one that reads ``oldSelf``) of the CRD schema on an update from ``old`` to
+    ``new``, as the API server does: at each object property present in both, ``self`` is the new value and
+    ``oldSelf`` the old one. Returns the messages of the rules that fail."""
+    out = []
+    env = celpy.Environment()
+    for v in schema.get("x-kubernetes-validations", []):
+        if "oldSelf" in v["rule"]:
+            program = env.program(env.compile(v["rule"]))
+            if not bool(program.evaluate({"self": celpy.json_to_cel(new), "oldSelf": celpy.json_to_cel(old)})):
+                out.append(f"{path or '.'}: {v['message']}")
+    for key, sub in (schema.get("properties") or {}).items():
+        if isinstance(old, dict) and isinstance(new, dict) and key in old and key in new:
+            out += _transition_violations(sub, old[key], new[key], f"{path}.{key}")
+    return out
+
+
+def _edit(doc: dict, dotted: str, value) -> dict:
+    new = copy.deepcopy(doc)
+    node = new
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    node[leaf] = value
+    return new
+
+
+@pytest.mark.parametrize("dotted, value, refused", [
+    ("spec.cluster.workerGroups.0.replicas", 2, True),      # the RayCluster is never updated: Recovering forever
+    ("spec.algorithm.steps", 96, True),                      # the running trainer keeps its 48
+    ("spec.algorithm.learningRate", 0.001, True),
+    ("spec.model.name", "other", True),
+    ("spec.lora.rank", 8, True),
+    ("spec.environment.size", 9, True),
+    ("spec.checkpoint.intervalSteps", 10, True),
+    ("spec.cluster.image", "registry/other:1", True),
+    ("spec.suspend", True, False),                           # documented as mutable
+    ("spec.resilience.maxRestarts", 20, False),
+    ("spec.resilience.progressDeadlineSeconds", 7200, False),
+    ("spec.serving.enabled", True, False),
+])
+def test_spec_edits_a_running_job_cannot_take_are_refused_by_the_api_server(schema, dotted, value, refused):
+    """The generated CRD's CEL transition rules (cel-python, evaluated as the API server does on update) refuse edits
+    of the sections a running job was built from, and let through the documented mutable ones."""
+    import yaml as _yaml
+
+    doc = crd.apply_defaults(schema, _yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text()))
+    assert _transition_violations(schema, doc, doc) == []
+    violations = _transition_violations(schema, doc, _edit(doc, dotted, value))
+    if refused:
+        section = dotted.split(".")[1]
+        assert violations and all(f"spec.{section} is immutable" in v for v in violations), violations
+    else:
+        assert violations == []
+
+
+def _schema_at(schema: dict, dotted: str) -> dict:
+    node = schema
+    for part in dotted.split("."):
+        node = node["properties"][part]
+    return node
+
+
+def test_what_cel_rules_iterate_or_search_is_bounded(schema):
+    """The API server prices every rule by the largest input the schema allows (per-rule budget 1e6 cost units;
+    an unbounded list is priced at ~1e6 items, an unbounded string at ~3e6 characters) and refuses the whole CRD when
+    a rule is over budget. So every list a rule iterates (exists/all/filter) has maxItems, and every string it searches
+    (contains/matches/startsWith/endsWith) has maxLength. cel-python does not price rules; this is the structural
+    half of that check, for the rule shapes used here."""
+    import re
+
+    checked = 0
+    for rule in c.CEL_RULES:
+        base = rule.path.removeprefix("spec").lstrip(".")
+        for field, var in re.findall(r"self\.([A-Za-z.]+)\.(?:exists|all|filter|exists_one)\((\w+),", rule.rule):
+            node = _schema_at(schema["properties"]["spec"], f"{base}.{field}" if base else field)
+            assert node["type"] == "array" and "maxItems" in node, (rule.rule, field)
+            if re.search(rf"\b{var}\.(contains|matches|startsWith|endsWith)\(", rule.rule):
+                assert "maxLength" in node["items"], (rule.rule, field)
+            checked += 1
+    assert checked >= 3  # targetModules, workerGroups (twice)
+    # and the bounds are what the pydantic models enforce, so `daedalus validate` rejects the same objects
+    with pytest.raises(c.SpecError):
+        c.parse_job(_set(_local(), "spec.lora.targetModules", [f"m{i}" for i in range(65)]))
+    with pytest.raises(c.SpecError):
+        c.parse_job(_set(_local(), "spec.lora.targetModules", ["q" * 129]))
+
+
+def test_objects_read_back_from_the_api_server_validate(tmp_path):
+    """What `kubectl get rltj -A -o yaml` prints: a List of jobs with server metadata and the operator's status (its
+    phase a plain string). Each item is validated like a manifest; the status is read as JSON, and a status the
+    operator could not have written is still named."""
+    job = _local()
+    job["metadata"].update(namespace="ml", uid="u1", resourceVersion="12", generation=2,
+                           creationTimestamp="2026-12-01T00:00:00Z", finalizers=["daedalus.dev/finalizer"],
+                           managedFields=[{"manager": "kubectl-client-side-apply", "operation": "Update"}])
+    job["status"] = {"phase": "Running", "currentStep": 3, "conditions": []}
+    bad = copy.deepcopy(job)
+    bad["metadata"]["name"] = "other"
+    bad["spec"]["environment"]["size"] = 5
+    (tmp_path / "jobs.yaml").write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [job, bad]}))
+    docs = c.load_documents(tmp_path / "jobs.yaml")
+    assert [d["metadata"]["name"] for d in docs] == ["local-tiny", "other"]
+    parsed = c.parse_job(docs[0])
+    assert parsed.status.phase == c.Phase.RUNNING and parsed.status.current_step == 3
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(docs[1])
+    assert [p for p, _ in info.value.errors] == ["spec.environment.evalMazes"]
+    job["status"]["phase"] = "Bogus"
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(job)
+    assert [p for p, _ in info.value.errors] == ["status.phase"]

@@ -335,6 +335,55 @@ def test_saving_an_older_step_moves_the_abandoned_timeline_aside(tmp_path: Path)
     assert load_latest(root).step == 2
 
 
+def test_resuming_moves_the_timeline_it_does_not_continue_aside_before_any_save(tmp_path: Path) -> None:
+    """resume none / an older PATH: once the run is accepted, the checkpoints of the replaced run leave at once, so a
+    run interrupted before its first save is not followed by a `latest` resume of the old timeline; the old step-2 is
+    set aside, not replaced, when the new run saves its own step 2. Resolving alone moves nothing."""
+    root = tmp_path / "ckpt"
+    save_steps(CheckpointManager(root, keep=5), [1, 2, 3])
+    manager = CheckpointManager(root, keep=5)
+    start = manager.resume(str(root / "step-000001"))
+    assert start.step == 1 and [s for s, _ in list_checkpoints(root)] == [1, 2, 3]  # a refused run changes nothing
+    manager.abandon_other_timelines(start)
+    assert [s for s, _ in list_checkpoints(root)] == [1]
+    assert load_latest(root).step == 1 and (root / "latest").read_text().strip() == "step-000001"
+    aside = sorted(p.name for p in root.iterdir() if p.name.startswith("abandoned-"))
+    assert [n[: len("abandoned-step-000002")] for n in aside] == ["abandoned-step-000002", "abandoned-step-000003"]
+    assert all(verify_checkpoint(root / n) == [] for n in aside)
+    manager.save(2, *make_state(2))
+    assert len([p for p in root.iterdir() if p.name.startswith("abandoned-")]) == 2  # the old step 2 still kept
+
+    latest = manager.resume("latest")
+    manager.abandon_other_timelines(latest)  # the newest: nothing moves
+    assert latest.step == 2 and [s for s, _ in list_checkpoints(root)] == [1, 2]
+    manager.abandon_other_timelines(manager.resume("none"))
+    assert list_checkpoints(root) == [] and not (root / "latest").exists() and load_latest(root) is None
+    assert len([p for p in root.iterdir() if p.name.startswith("abandoned-")]) == 4
+
+
+def test_resuming_from_outside_the_root_moves_all_of_its_checkpoints_aside(tmp_path: Path) -> None:
+    """A PATH in another root, an abandoned-* directory of this root, or a symlink to one of this root's own: the
+    first two leave nothing of this root's timeline behind (no older step of it to resume by mistake, no pointer to
+    a renamed directory); a symlink counts as the directory it names, which `latest` then names."""
+    other, root = tmp_path / "other", tmp_path / "ckpt"
+    save_steps(CheckpointManager(other, keep=5), [4])
+    save_steps(CheckpointManager(root, keep=5), [2, 6])
+    manager = CheckpointManager(root, keep=5)
+    manager.abandon_other_timelines(manager.resume(str(other / "step-000004")))
+    assert list_checkpoints(root) == [] and not (root / "latest").exists()
+
+    save_steps(manager, [1, 2])
+    old = sorted(p for p in root.iterdir() if p.name.startswith("abandoned-step-000006"))[0]
+    manager.abandon_other_timelines(manager.resume(str(old)))
+    assert list_checkpoints(root) == [] and load_latest(root) is None
+
+    save_steps(manager, [1, 2])
+    (tmp_path / "best").symlink_to(root / "step-000001", target_is_directory=True)
+    manager.abandon_other_timelines(manager.resume(str(tmp_path / "best")))
+    assert [s for s, _ in list_checkpoints(root)] == [1]
+    assert (root / "latest").read_text().strip() == "step-000001" and load_latest(root).step == 1
+
+
 def test_saving_the_latest_step_again_replaces_it(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     manager = CheckpointManager(root, keep=3)

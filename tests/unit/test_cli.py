@@ -85,7 +85,7 @@ def test_manifests_are_read_as_the_api_server_reads_them():
     assert parsed.spec.algorithm.loss_aggregation.value == job["spec"]["algorithm"]["lossAggregation"]
 
 
-def test_start_fingerprint_follows_weights_and_evaluation_settings(tmp_path):
+def test_start_fingerprint_follows_weights_and_evaluation_settings(tmp_path, monkeypatch):
     model = tmp_path / "model"
     model.mkdir()
     weights = model / "model.safetensors"
@@ -96,6 +96,8 @@ def test_start_fingerprint_follows_weights_and_evaluation_settings(tmp_path):
     assert start_fingerprint(job, str(model), None) == first
     (model / "config.json").write_text('{"changed": 1}')  # not a weight file
     assert start_fingerprint(job, str(model), None) == first
+    monkeypatch.chdir(tmp_path)  # the same run continued from another working directory, the path relative to it
+    assert start_fingerprint(job, "model", None) == first
     other_env = c.parse_job(tiny_job_dict(environment={"evalMazes": 12}))
     assert start_fingerprint(other_env, str(model), None) != first
     hotter = c.parse_job(tiny_job_dict(algorithm={"temperature": 0.7}))

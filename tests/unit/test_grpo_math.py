@@ -44,7 +44,7 @@ def _batch():
     # Two episodes: episode 0 has two turn rows (3 + 1 tokens), episode 1 one row (2 tokens).
     mask = torch.tensor([[1, 1, 1], [0, 0, 1], [0, 1, 1]], dtype=torch.float32)
     ep = torch.tensor([0, 0, 1])
-    adv = torch.tensor([1.0, 1.0, -2.0])
+    adv = torch.tensor([1.0, 1.0, -3.0])  # per row (episode 0 twice); not a zero sum, so each denominator shows
     return mask, ep, adv
 
 
@@ -53,13 +53,13 @@ def test_on_policy_loss_values_for_each_aggregation():
     lp = torch.zeros(3, 3, requires_grad=True)
     # ratio == 1 on-policy: per-token loss = -A.
     loss, stats = grpo_loss(lp, lp.detach(), adv, mask, ep, aggregation="token-mean")
-    # tokens: ep0 4 tokens * -1, ep1 2 tokens * +2 -> (-4 + 4) / 6
-    assert loss.item() == pytest.approx(0.0)
+    # tokens: ep0 4 tokens * -1, ep1 2 tokens * +3 -> (-4 + 6) / 6 assistant tokens (not / 9 positions)
+    assert loss.item() == pytest.approx(2.0 / 6)
     assert stats.tokens == 6 and stats.ratio_mean == pytest.approx(1.0) and stats.clip_fraction == 0.0
     loss, _ = grpo_loss(lp, lp.detach(), adv, mask, ep, aggregation="seq-mean-token-sum")
-    assert loss.item() == pytest.approx((-4.0 + 4.0) / 2)
+    assert loss.item() == pytest.approx((-4.0 + 6.0) / 2)
     loss, _ = grpo_loss(lp, lp.detach(), adv, mask, ep, aggregation="seq-mean-token-mean")
-    assert loss.item() == pytest.approx((-1.0 + 2.0) / 2)
+    assert loss.item() == pytest.approx((-1.0 + 3.0) / 2)
 
 
 def test_gradient_raises_logprob_of_positive_advantage_tokens():

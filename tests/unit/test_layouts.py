@@ -111,3 +111,13 @@ def test_with_corner_pairs_rejects_a_maze_that_does_not_start_in_a_corner():
         with_corner_pairs([inner], 2)
     with pytest.raises(ValueError, match="corners must be 1-4"):
         with_corner_pairs([maze], 5)
+
+
+def test_the_api_layout_table_is_the_exact_count():
+    """config's torch-free table (the CRD's CEL rule and `daedalus validate` use it) against the matrix-tree count;
+    from size 11 on no allowed evalMazes can leave too few training layouts."""
+    from daedalus_trainer.config import SMALL_SIZE_LAYOUTS, max_eval_mazes
+
+    assert {size: count_layouts(size) for size in SMALL_SIZE_LAYOUTS} == SMALL_SIZE_LAYOUTS
+    assert max_eval_mazes(count_layouts(11)) >= 100_000
+    assert max_eval_mazes(192) == 96 and max_eval_mazes(4) == 0

@@ -60,6 +60,77 @@ def test_update_raises_rewarded_and_lowers_unrewarded_episodes(tiny_checkpoint, 
     assert good_after > good_before and bad_after < bad_before
 
 
+def test_lora_dropout_leaves_the_on_policy_ratio_at_one(tiny_checkpoint):  # noqa: F811
+    """The learner scores tokens as the engine sampled them (dropout off): with lora.dropout 0.5 the first
+    iteration's ratio is still exactly 1 (nothing clipped) and two learners on the same batch end bit-identical."""
+    job = make_tiny_job(tiny_checkpoint, algorithm={"learningRate": 0.01}, environment={"maxTurns": 3},
+                        lora={"dropout": 0.5})
+    states = []
+    for seed in (1, 2):
+        learner = Learner(job, None, str(tiny_checkpoint.parent))
+        trajs = _rollouts(learner, job)
+        torch.manual_seed(seed)  # a dropout mask would differ between the two learners
+        stats = learner.update(trajs, GROUP)
+        assert not stats.skipped and stats.clip_fraction == 0.0
+        states.append(learner.adapter_state())
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_token_mean_scale_does_not_depend_on_the_kl_term(tiny_checkpoint):  # noqa: F811
+    """token-mean with a zero-variance group in the batch: a KL term (here one that is 0, the adapter starting at
+    B = 0) must not change the policy-gradient scale, i.e. the denominator counts the same tokens either way."""
+    norms = {}
+    for kl in (0.0, 1e-9):
+        job = make_tiny_job(tiny_checkpoint, algorithm={"lossAggregation": "token-mean", "klCoef": kl},
+                            environment={"maxTurns": 3})
+        learner = Learner(job, None, str(tiny_checkpoint.parent))
+        trajs = _rollouts(learner, job)
+        for i, t in enumerate(trajs):
+            t.reward = float(i < 2)  # group 0 mixed (1, 1, 0, 0), group 1 all 0
+        stats = learner.update(trajs, GROUP)
+        assert stats.zero_variance_groups == 1 and not stats.skipped
+        norms[kl] = stats.grad_norm
+    assert norms[1e-9] == pytest.approx(norms[0.0], rel=1e-5)
+
+
+def test_kl_reference_of_an_sft_adapter_start_is_that_adapter(tiny_checkpoint, tmp_path, caplog):  # noqa: F811
+    """Start = a PEFT SFT adapter (trained further by GRPO): the KL term's reference is that adapter, frozen, so
+    before any update the KL is 0, while the base model (what disabling the adapter gives) is measurably far away;
+    the lora section that does not apply is reported."""
+    from daedalus_trainer.policy import load_pretrained
+
+    sft = load_pretrained(tiny_checkpoint, "float32", "cpu")
+    sft.add_lora(make_tiny_job(tiny_checkpoint).spec.lora)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in sft.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    sft.model.save_pretrained(str(tmp_path / "sft-adapter"))
+
+    job = make_tiny_job(tiny_checkpoint, algorithm={"klCoef": 0.1}, environment={"maxTurns": 3},
+                        lora={"rank": 4})
+    with caplog.at_level("WARNING", logger="daedalus.policy"):
+        learner = Learner(job, str(tmp_path / "sft-adapter"), str(tiny_checkpoint.parent))
+    assert any("lora.rank 4 -> 8" in r.getMessage() for r in caplog.records)
+    trajs = _rollouts(learner, job)
+    seqs = [turn.sequence() for t in trajs for turn in t.turns]
+    batch = learner.policy.collate(seqs)
+    with torch.no_grad():
+        current = learner.policy.response_logprobs(batch, 1.0)
+        reference = learner.policy.reference_logprobs(batch, 1.0)
+        with learner.policy.model.disable_adapter():
+            base = learner.policy.response_logprobs(batch, 1.0)
+    mask = batch.assistant_mask.bool()
+    assert torch.equal(current[mask], reference[mask])
+    assert float((current - base)[mask].abs().max()) > 1e-2
+    stats = learner.update(trajs, GROUP)
+    assert stats.kl is not None and stats.kl < 1e-9
+    # only the trained adapter's weights are in the optimizer and in what the engines load
+    assert all("reference" not in k for k in learner.adapter_state())
+    assert sum(p.numel() for p in learner.params) == sum(v.numel() for v in learner.adapter_state().values())
+
+
 def test_second_iteration_moves_further_than_one(tiny_checkpoint):  # noqa: F811
     moved = {}
     for iterations in (1, 2):

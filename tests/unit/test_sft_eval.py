@@ -154,6 +154,21 @@ def test_sft_trains_resumes_bit_exactly_and_eval_reproduces(tmp_path):
     assert rep.result("greedy").to_dict() | {"seconds": 0} == report["final_eval"] | {"seconds": 0}
 
 
+def test_finished_sft_is_found_from_another_working_directory(tmp_path, monkeypatch):
+    """A run made with a relative --out, continued from another directory: done, nothing retrained (the report
+    names its result relative to itself, not to the first run's working directory)."""
+    fast = {"progress": False, "accuracy_turns": 4}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    first = sft.run_sft(_short_job(None, 2), Path("out"), resume=False, final_eval=False, **fast)
+    mtime = (tmp_path / "a" / "out" / "model" / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.chdir(tmp_path / "b")
+    again = sft.run_sft(_short_job(None, 2), Path("../a/out"), resume=True, final_eval=False, **fast)
+    assert again.resolve() == (tmp_path / "a" / first).resolve()
+    assert (tmp_path / "a" / "out" / "model" / "model.safetensors").stat().st_mtime_ns == mtime
+
+
 def test_on_policy_pool_labels_each_distinct_visited_state_with_the_solver(tiny_job):
     """A policy that bumps into a wall three times, then follows the solver: the pool holds each state once (the
     repeated bump is one prompt), every target is the solver's action from that cell, and replaying the same replies
@@ -265,10 +280,11 @@ def test_run_eval_reports_json_table_and_gifs(tiny_checkpoint, tmp_path):
 
     with Image.open(rep.gifs[0]) as im:
         assert im.n_frames == 4  # 3 turns + the final picture
-    console = Console(record=True, width=200)
+    console = Console(record=True, width=80)  # a plain terminal: every figure whole, the CI's bounds included
     console.print(rep.table())
     text = console.export_text()
-    assert "greedy" in text and "sampled (T=1)" in text and "0.0% (0/4)" in text and "192 possible layouts" in text
+    assert "greedy" in text and "T=1 " in text and "0.0% (0/4)" in text and "0.0%–49.0%" in text
+    assert "…" not in text and "192 possible layouts" in " ".join(text.split())  # the title wraps, nothing is cut
 
 
 def test_run_eval_on_training_layouts(tiny_checkpoint):

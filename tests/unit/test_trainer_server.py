@@ -219,6 +219,22 @@ def test_checkpoint_requires_the_bearer_token(server: TrainerServer, control: Co
     assert not control.checkpoint_requested() and not control.stop_requested()
 
 
+def test_unauthenticated_body_is_never_awaited(server: TrainerServer, control: ControlState) -> None:
+    """A caller without the token that announces a body and never sends it gets its 401 at once and the connection
+    closes: it cannot park a handler thread on the body."""
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /checkpoint HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n")
+        sock.settimeout(3)
+        data = b""
+        while chunk := sock.recv(4096):  # the server closes: recv returns b"" (a timeout raises instead)
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 401") and b"Connection: close" in data
+    assert not control.checkpoint_requested()
+
+
 def test_no_token_configured_is_503(metrics, control, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)

@@ -136,6 +136,10 @@ class Learner:
         self.job = _job(job)
         algo = self.job.spec.algorithm
         self.policy = load_training_policy(self.job, start_dir, work_dir, seed=algo.seed)
+        from daedalus_trainer.policy import is_adapter_dir
+
+        if algo.kl_coef > 0 and is_adapter_dir(start_dir):
+            self.policy.add_reference_adapter(start_dir)  # the KL is to the SFT adapter, not to the base model
         self.params = self.policy.trainable_parameters()
         self.optimizer = torch.optim.AdamW(self.params, lr=algo.learning_rate, weight_decay=algo.weight_decay)
         self.micro_batch = micro_batch
@@ -226,6 +230,9 @@ class Learner:
             chunks[-1].append(e)
             rows_in_chunk += rows
         total_tokens = sum(len(turn.completion_ids) for e in episodes for turn in trajectories[e].turns)
+        # token-mean divides by every assistant token of the step, those of zero-variance groups included (they add
+        # nothing to the policy-gradient sum): the same scale whether or not a KL term makes them part of the batch
+        batch_tokens = sum(len(turn.completion_ids) for t in trajectories for turn in t.turns)
 
         # Collate once: the batches, behaviour log-probs and (with a KL term) reference log-probs are the same for
         # every iteration over this rollout batch.
@@ -254,7 +261,9 @@ class Learner:
         iterations = int(algo.iterations_per_step)
         kl_sum = clip_sum = loss_sum = norm_sum = 0.0
         updates = 0
-        self.policy.model.train()
+        # Dropout stays off (eval mode): the engine sampled with it off, so on-policy the ratio is exactly 1 and a
+        # resumed run repeats the same update; ``lora.dropout`` acts in SFT only.
+        self.policy.model.eval()
         for _ in range(iterations):
             self.optimizer.zero_grad(set_to_none=True)
             for batch, old, row_adv, row_ep, ref, _n in prepared:
@@ -266,7 +275,7 @@ class Learner:
                     ref_logprobs=ref, kl_coef=algo.kl_coef, aggregation=algo.loss_aggregation.value, num_episodes=n,
                 )
                 if algo.loss_aggregation.value == "token-mean":
-                    loss = loss * (chunk_tokens / max(total_tokens, 1))  # the mean over all tokens, accumulated
+                    loss = loss * (chunk_tokens / max(batch_tokens, 1))  # the mean over all tokens, accumulated
                 loss.backward()
                 loss_sum += float(loss.detach())
                 kl_sum += st.kl * chunk_tokens
@@ -277,7 +286,6 @@ class Learner:
                 updates += 1
                 norm_sum += grad_norm
         self.optimizer.zero_grad(set_to_none=True)
-        self.policy.model.eval()
         sequences = sum(p[-1] for p in prepared)
         per_token = max(total_tokens, 1) * iterations
         return UpdateStats(

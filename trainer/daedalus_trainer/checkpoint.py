@@ -26,11 +26,12 @@ A failure at any point (a full disk, ``ENOSPC``, included) removes what this sav
 checkpoint and the ``latest`` pointer as they were, and raises :class:`CheckpointSaveError`.
 
 Reading: :func:`load_latest` verifies candidates newest first against their manifest and falls back to older ones,
-logging (``logging.warning``) which file was bad and why. Checkpoints of the same or a higher step than the one
-being saved belong to an abandoned timeline (``resume: none``, an explicit older ``PATH``, a corrupt one we fell
-back from); :meth:`CheckpointManager.save` renames them to ``abandoned-step-NNNNNN-<utc>`` (never deletes them) so
-that ``resume: latest`` continues the run that is actually going on. Saving again the step ``latest`` names (the
-newest) replaces it.
+logging (``logging.warning``) which file was bad and why. Checkpoints the resumed run does not continue belong to
+an abandoned timeline (all of them with ``resume: none``; after an explicit older ``PATH`` or a corrupt one we fell
+back from, those of a later step): :meth:`CheckpointManager.abandon_other_timelines` renames them to
+``abandoned-step-NNNNNN-<utc>-<id>`` (never deletes them) before the run starts, and :meth:`CheckpointManager.save`
+does the same to any of the same or a higher step, so that ``resume: latest`` continues the run that is actually
+going on. Saving again the step ``latest`` names (the newest) replaces it.
 
 Only the LoRA adapter and its optimizer state are stored, so resuming does not depend on the number of GPUs.
 """
@@ -706,7 +707,8 @@ def resolve_resume(resume: str, root: str | os.PathLike[str]) -> LoadedCheckpoin
     """Apply the ``--resume`` option: ``latest`` | ``none`` | ``PATH``.
 
     - ``latest``: :func:`load_latest` on ``root`` (``None`` if there is no checkpoint yet).
-    - ``none``: start fresh, ``None``. (The first save then moves higher-step checkpoints of the old run aside.)
+    - ``none``: start fresh, ``None``. (:meth:`CheckpointManager.abandon_other_timelines` then moves the old run's
+      checkpoints aside.)
     - ``PATH``: a checkpoint directory (holds MANIFEST.json) loaded without fallback, or another checkpoint root
       (holds ``step-*`` directories) whose newest verifying checkpoint is loaded.
 
@@ -760,8 +762,51 @@ class CheckpointManager:
         return load_latest(self.root)
 
     def resume(self, resume: str) -> LoadedCheckpoint | None:
-        """:func:`resolve_resume` on this root."""
+        """:func:`resolve_resume` on this root (reads and verifies; moves nothing: call
+        :meth:`abandon_other_timelines` once everything that could refuse the run has accepted it).
+
+        Raises:
+            CheckpointError: see :func:`resolve_resume`.
+        """
         return resolve_resume(resume, self.root)
+
+    def abandon_other_timelines(self, loaded: LoadedCheckpoint | None) -> None:
+        """Move aside every checkpoint here that a run resumed from ``loaded`` (``None``: a fresh start) does not
+        continue, and point ``latest`` at ``loaded``: renamed ``abandoned-*``, never deleted. With ``None``, or a
+        checkpoint from elsewhere (another root, an ``abandoned-*`` directory), that is all of them; with one of this
+        root's own ``step-*`` directories (a symlink to one counts as it), those of a later step.
+
+        Done before the first step, not at the first save, so that a run interrupted before it saves is not followed
+        by a ``latest`` resume of the timeline it replaced.
+
+        Raises:
+            OSError: a rename failed.
+        """
+        if not self.root.is_dir():
+            return
+        here = list_checkpoints(self.root)
+        own = None
+        if loaded is not None:
+            target = loaded.path.resolve()
+            own = next((path for _, path in here if path.resolve() == target), None)
+        others = [path for step, path in here if own is None or (path != own and step >= loaded.step)]
+        if others:
+            self._move_aside(others, "the run resumes from another checkpoint" if loaded is not None
+                             else "the run starts fresh (resume: none)")
+        if own is not None:
+            if read_latest_pointer(self.root) != own.name:
+                self._write_pointer(own.name)
+        elif (self.root / LATEST).exists():
+            (self.root / LATEST).unlink()
+            _fsync_path(self.root, directory=True)
+
+    def _move_aside(self, paths: list[Path], why: str) -> None:
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        for path in paths:
+            aside = path.with_name(f"abandoned-{path.name}-{stamp}-{uuid.uuid4().hex[:4]}")
+            log.warning("moving checkpoint %s aside to %s: %s", path, aside.name, why)
+            os.rename(path, aside)
+        _fsync_path(self.root, directory=True)
 
     def save(
         self,
@@ -908,7 +953,6 @@ class CheckpointManager:
         Exception: saving again the step that ``latest`` names and that is the newest (the loop re-saved the same
         step) replaces it: the old directory goes to a ``.trash-*`` name, returned so the caller deletes it after
         the new one is committed (an interrupted save leaves it for the next save's clean-up)."""
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         checkpoints = list_checkpoints(self.root)
         pointer = read_latest_pointer(self.root)
         replaced = None
@@ -918,10 +962,7 @@ class CheckpointManager:
                 log.info("saving step %d again: replacing %s", step, path)
                 os.rename(path, replaced)
             elif other_step >= step:
-                aside = path.with_name(f"abandoned-{path.name}-{stamp}-{uuid.uuid4().hex[:4]}")
-                log.warning("checkpoint %s is at or after step %d of the current run; moving it aside to %s",
-                            path, step, aside.name)
-                os.rename(path, aside)
+                self._move_aside([path], f"it is at or after step {step} of the current run")
         return replaced
 
     def _rotate(self, keep_name: str) -> None:

@@ -119,6 +119,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     _single_threaded_torch()
 
     job = _load(args.config)
+    if args.json:  # before minutes of evaluation, not after
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     report = evaluation.run_eval(
         job, args.model, adapter_path=args.adapter, greedy=True, sampled=not args.greedy_only,
         gif_dir=args.gif, n=args.mazes, split=args.split,
@@ -192,11 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "GRPO with checkpoints under RUNS_DIR/<name>/, evaluates before and after on held-out mazes and "
                        "writes report.json and curves.png. Interrupt it and run it again: it resumes.")
     s.add_argument("job", help="RLTrainingJob YAML file")
-    s.add_argument("--runs-dir", default="runs", help="where runs/<name>/ goes (default: ./runs)")
+    s.add_argument("--runs-dir", default="runs", help="parent of the run directory RUNS_DIR/<name>/ (default: ./runs)")
     s.add_argument("--resume", default="latest", type=_resume_option,
                    help="latest (default) | none | PATH of a checkpoint (directory step-NNNNNN or a checkpoints/ root)")
     s.add_argument("--port", type=int, default=int(os.environ.get("DAEDALUS_METRICS_PORT", "9400")),
-                   help="metrics/control HTTP port (0: pick a free one; default 9400)")
+                   help="metrics/control HTTP port (0: pick a free one; default $DAEDALUS_METRICS_PORT, else 9400)")
     s.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("train", help="GRPO training (what the Ray job runs on a cluster)")
@@ -216,21 +218,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("eval", help="evaluate a model (and adapter) on the held-out mazes")
     s.add_argument("config", help="RLTrainingJob YAML (environment and eval set)")
-    s.add_argument("--model", required=True, help="model directory")
+    s.add_argument("--model", required=True, help="model directory (a full checkpoint, e.g. runs/<name>/sft/model)")
     s.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory")
     s.add_argument("--mazes", type=_positive_int, default=None,
                    help="evaluate on the first N mazes of the set (held-out: N layouts, each played from "
-                        "environment.evalCorners start/goal corner pairs)")
+                        "environment.evalCorners start/goal corner pairs; default: all environment.evalMazes)")
     s.add_argument("--split", choices=("held-out", "training"), default="held-out",
                    help="held-out: the evaluation layouts, excluded from training (default); training: as many mazes "
                         "on layouts training draws from (what training learned where it trained)")
     s.add_argument("--greedy-only", action="store_true", help="skip sampled evaluation")
-    s.add_argument("--json", default=None, help="write the report as JSON here")
+    s.add_argument("--json", default=None, help="write the report as JSON to this file (parent directories created)")
     s.add_argument("--gif", default=None, help="write animated GIFs of some episodes to this directory")
     s.set_defaults(func=_cmd_eval)
 
     s = sub.add_parser("validate", help="validate RLTrainingJob files (every error with its field path)")
-    s.add_argument("files", nargs="+")
+    s.add_argument("files", nargs="+", help="YAML files (each may hold several documents)")
     s.set_defaults(func=_cmd_validate)
 
     s = sub.add_parser("crd", help="print the RLTrainingJob CustomResourceDefinition generated from the API models")
@@ -239,10 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("maze", help="render a maze to PNG and print the ASCII map and the solver's solution")
     s.add_argument("--size", type=int, default=9, help="odd side length including walls (default 9)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", default=None, help="PNG path")
+    s.add_argument("--seed", type=int, default=0, help="maze seed (default 0; the same seed gives the same maze)")
+    s.add_argument("--out", default=None, help="write the rendered PNG here (default: no PNG, text only)")
     s.add_argument("--cell-px", type=int, default=25, help="cell size in pixels (default 25, as VisGym)")
-    s.add_argument("--action-format", default="function", choices=["function", "tuple", "tag"])
+    s.add_argument("--action-format", default="function", choices=["function", "tuple", "tag"],
+                   help="syntax of the printed solution: move(\"up\"), ('move', 1) or <action>up</action> "
+                        "(default function)")
     s.set_defaults(func=_cmd_maze)
 
     s = sub.add_parser("operator", help="run the Kubernetes operator (kopf); arguments after it go to the operator",
@@ -267,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         from daedalus_trainer.config import SpecError
 
         user_errors: tuple[type[Exception], ...] = (SpecError, FileNotFoundError)
+        try:  # layouts needs the environment's packages, which the operator image lacks
+            from daedalus_trainer.layouts import LayoutError
+
+            user_errors += (LayoutError,)
+        except ImportError:
+            pass
         try:  # torch-free images (the operator's) have no checkpoint module
             from daedalus_trainer.checkpoint import CheckpointError
 

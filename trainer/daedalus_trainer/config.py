@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -81,10 +81,15 @@ class LoraSpec(_Model):
     alpha: float = Field(32.0, gt=0)
     """LoRA scaling numerator; the update is scaled by alpha / rank."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    """Dropout on the LoRA input (0 keeps rollouts and training bit-identical in the adapter path)."""
-    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
-    """Language-model module names to adapt. Vision-tower modules are rejected: vLLM ignores LoRA on Qwen3-VL's
-    vision tower, which would make rollout and training policies differ."""
+    """Dropout on the LoRA input, in SFT only: GRPO's learner scores tokens with dropout off, as the rollout engine
+    sampled them (on-policy the importance ratio is then exactly 1, and a resumed run repeats the same update)."""
+    # Bounded (at most 64 names of at most 128 characters): the API server prices a CEL rule by the largest input
+    # the schema allows, and the vision-target rule below runs `contains` on every name; unbounded, its estimated
+    # cost exceeds the per-rule budget and the API server refuses the whole CRD.
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1, max_length=64)
+    """Language-model module names to adapt (at most 64, each at most 128 characters). Vision-tower modules are
+    rejected: vLLM ignores LoRA on Qwen3-VL's vision tower, which would make rollout and training policies differ."""
 
     @field_validator("target_modules")
     @classmethod
@@ -120,8 +125,9 @@ class AlgorithmSpec(_Model):
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping threshold (global L2 norm)."""
     kl_coef: float = Field(0.0, ge=0.0)
-    """Coefficient of the KL penalty to the reference policy (adapter disabled), k3 estimator (Schulman 2020).
-    0 disables it and skips the reference forward."""
+    """Coefficient of the KL penalty to the reference policy, the SFT start (a full SFT model: the trained adapter
+    disabled; a PEFT `model.sftAdapter`: a frozen copy of it), k3 estimator (Schulman 2020). 0 disables it and skips
+    the reference forward."""
     clip_ratio_low: float = Field(0.2, gt=0, lt=1)
     """PPO clip: the ratio is clipped below at 1 - clipRatioLow."""
     clip_ratio_high: float = Field(0.28, gt=0)
@@ -323,7 +329,7 @@ class ResilienceSpec(_Model):
     restart_backoff_seconds: int = Field(15, ge=0, le=3600, strict=True)
     """Base of the exponential backoff between restarts (doubles per consecutive failure, capped at 10 minutes)."""
     hyper_pod: bool = True
-    """Watch the SageMaker HyperPod node-health label and keep pods on `Schedulable` nodes."""
+    """Watch the SageMaker HyperPod node-health label and keep pods off nodes it marks `Unschedulable*`."""
     checkpoint_on_node_warning: bool = True
     """When HyperPod marks a node for replacement or reboot, checkpoint before stopping (zero lost steps)."""
     checkpoint_timeout_seconds: int = Field(300, ge=1, le=86_400, strict=True)
@@ -469,6 +475,9 @@ class RecoveryInfo(_Model):
     """The requested checkpoint is done once the latest checkpoint holds at least this step."""
     stop_requested_at: str | None = None
     """RFC 3339 time the Ray job was asked to stop."""
+    unconfirmed_since: str | None = None
+    """RFC 3339 time from which the operator has had no evidence that the replaced attempt ended (its dashboard
+    unanswering); the RayCluster is recreated once this lasts longer than the unreachable grace."""
     not_before: str | None = None
     """Restart backoff: no resubmission before this RFC 3339 time."""
     resubmitted_at: str | None = None
@@ -612,6 +621,37 @@ class CelRule:
         return v
 
 
+#: Training layouts a job needs besides its held-out set: at least this many (fewer teaches layouts by heart rather
+#: than navigation), and no fewer than it holds out.
+MIN_TRAINING_LAYOUTS = 16
+
+#: Distinct perfect-maze layouts at the sides where ``evalMazes`` can leave too few for training: the spanning trees
+#: of the ``n x n`` room grid, ``n = (size - 1) // 2`` (Kirchhoff's matrix-tree theorem; computed by
+#: :func:`daedalus_trainer.envs.count_layouts`, and a test keeps the two equal). From size 11 on (557,568,000
+#: layouts) every allowed ``evalMazes`` (at most 100,000) leaves enough.
+SMALL_SIZE_LAYOUTS: dict[int, int] = {5: 4, 7: 192, 9: 100_352}
+
+
+def max_eval_mazes(possible: float) -> int:
+    """The largest held-out set that leaves ``max(MIN_TRAINING_LAYOUTS, evalMazes)`` of ``possible`` layouts for
+    training (0: none does)."""
+    return max(0, int(min(possible - MIN_TRAINING_LAYOUTS, possible // 2)))
+
+
+_LAYOUT_LIMITS = {size: max_eval_mazes(n) for size, n in SMALL_SIZE_LAYOUTS.items()}
+
+
+def _layouts_ok(size: int, eval_mazes: int) -> bool:
+    return eval_mazes <= _LAYOUT_LIMITS.get(size, eval_mazes)
+_LAYOUT_CEL = " && ".join(f"(self.size != {size} || self.evalMazes <= {limit})"
+                          for size, limit in _LAYOUT_LIMITS.items())
+_LAYOUT_MESSAGE = (
+    f"environment.evalMazes must leave at least {MIN_TRAINING_LAYOUTS} training layouts and no fewer than it holds "
+    "out: " + ", ".join(f"at most {limit} at size {size}" for size, limit in _LAYOUT_LIMITS.items() if limit)
+    + "; size " + ", ".join(str(size) for size, limit in _LAYOUT_LIMITS.items() if not limit)
+    + " has too few layouts (use 7 or more)"
+)
+
 _VISION_CEL = " || ".join(
     ["m == 'proj'"] + [f"m.contains('{marker}')" for marker in VISION_MODULE_MARKERS]
 )
@@ -623,6 +663,13 @@ CEL_RULES: list[CelRule] = [
         "environment.size must be odd (outer walls included), e.g. 7, 9 or 11",
         lambda s: s.environment.size % 2 == 1,
         field_path=".size",
+    ),
+    CelRule(
+        "spec.environment",
+        _LAYOUT_CEL,
+        _LAYOUT_MESSAGE,
+        lambda s: _layouts_ok(s.environment.size, s.environment.eval_mazes),
+        field_path=".evalMazes",
     ),
     CelRule(
         "spec.lora",
@@ -721,21 +768,31 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
         errors.append(("kind", f"expected {KIND!r}, got {obj.get('kind')!r}"))
     if obj.get("apiVersion", API_VERSION) != API_VERSION:
         errors.append(("apiVersion", f"expected {API_VERSION!r}, got {obj.get('apiVersion')!r}"))
+    # `status` is the operator's (an object read back from the API server carries it): it is read as JSON, not held
+    # to the strict rules of what a user writes (its phase is a string there, never an enum instance).
+    status = obj.get("status")
+    manifest = {k: v for k, v in obj.items() if k != "status"}
     try:
         # As the API server reads a manifest: types strict ("0.002" is not a number, "true" not a boolean) and only
         # the camelCase field names of the CRD (a snake_case key would be an unknown field there).
-        job = RLTrainingJob.model_validate(obj, strict=True, by_alias=True, by_name=False)
+        job = RLTrainingJob.model_validate(manifest, strict=True, by_alias=True, by_name=False)
     except ValidationError as exc:
-        errors.extend(_errors_from(exc))
+        reported = {path for path, _ in errors}  # apiVersion / kind: our message above says more than the literal's
+        errors.extend(e for e in _errors_from(exc) if e[0] not in reported)
         raise SpecError(errors, source) from None
+    if status is not None:
+        try:
+            job.status = RLTrainingJobStatus.model_validate(status, by_alias=True)
+        except ValidationError as exc:
+            errors.extend((f"status.{p}" if p != "(root)" else "status", m) for p, m in _errors_from(exc))
     if errors:
         raise SpecError(errors, source)
     return job
 
 
 def load_documents(path: str | Path) -> list[Any]:
-    """The RLTrainingJob documents of a YAML or JSON file (all documents whose kind is RLTrainingJob; the first
-    document when none says so, so that its validation names what is wrong).
+    """The RLTrainingJob documents of a YAML or JSON file (all documents whose kind is RLTrainingJob, the items of a
+    ``kind: List`` included; the first document when none says so, so that its validation names what is wrong).
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -759,6 +816,9 @@ def load_documents(path: str | Path) -> list[Any]:
         raise SpecError([("(yaml)", str(exc))], str(path)) from None
     if not docs:
         raise SpecError([("(root)", "the file holds no document")], str(path))
+    # A `kind: List` (what `kubectl get rltj -o yaml` prints) stands for its items.
+    docs = [item for d in docs for item in (
+        d.get("items") or [] if isinstance(d, dict) and str(d.get("kind", "")).endswith("List") else [d])]
     jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     return jobs or docs[:1]
 

@@ -7,7 +7,8 @@ The pydantic JSON schema (draft 2020-12) is turned into a Kubernetes *structural
 (apiextensions.k8s.io/v1, "Specifying a structural schema"): `$ref`s inlined, `anyOf [X, null]` turned into
 `nullable: true`, `const` into a one-value `enum`, numeric `exclusiveMinimum: x` into `minimum: x` +
 `exclusiveMinimum: true`, titles dropped, and every default filled in from a default-constructed job so that the API
-server applies the same defaults as the trainer. Cross-field rules become `x-kubernetes-validations` (CEL).
+server applies the same defaults as the trainer. Cross-field rules become `x-kubernetes-validations` (CEL), and the
+spec sections a running job cannot take a change of get the CEL transition rule `self == oldSelf` (`IMMUTABLE_SECTIONS`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ import yaml
 from daedalus_trainer import config as c
 
 _DROP = {"title", "discriminator"}
+
+#: Spec sections fixed once the job exists: the operator builds the RayCluster from them once and never updates it,
+#: and a running trainer never rereads its config (a later attempt would silently train something else). An edit is
+#: refused by the API server (CEL transition rule, Kubernetes 1.29+). Mutable: ``suspend``, ``resilience`` (read by
+#: the operator on every reconcile) and ``serving`` (used after the training succeeded).
+IMMUTABLE_SECTIONS = ("model", "lora", "algorithm", "environment", "sft", "checkpoint", "cluster")
+IMMUTABLE_MESSAGE = ("is immutable once the job exists (a running trainer and its RayCluster cannot take the change): "
+                     "delete the job and create it again; with the same name it resumes from its latest checkpoint "
+                     "(a changed lora section cannot: use a new name, or move the job's checkpoints directory aside)")
 
 
 def _resolve(node: Any, defs: dict[str, Any]) -> Any:
@@ -108,6 +118,9 @@ def openapi_schema() -> dict[str, Any]:
     for rule in c.CEL_RULES:
         target = spec if rule.path == "spec" else _at({"properties": {"spec": spec}}, rule.path)
         target.setdefault("x-kubernetes-validations", []).append(rule.as_validation())
+    for section in IMMUTABLE_SECTIONS:
+        spec["properties"][section].setdefault("x-kubernetes-validations", []).append(
+            {"rule": "self == oldSelf", "message": f"spec.{section} {IMMUTABLE_MESSAGE}"})
 
     return {
         "type": "object",

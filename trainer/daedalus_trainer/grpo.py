@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,8 +104,9 @@ def grpo_loss(
         advantages: ``[B]`` advantage of the episode each row belongs to.
         mask: ``[B, T]`` 1 on assistant (sampled) tokens, 0 on prompt, image and padding tokens.
         episode_ids: ``[B]`` long, index of the episode of each row (several rows per multi-turn episode).
-        ref_logprobs: ``[B, T]`` reference log-probs (adapter disabled), required when ``kl_coef > 0``.
-        aggregation: ``"token-mean"``: sum over all assistant tokens / their count (DAPO);
+        ref_logprobs: ``[B, T]`` reference (SFT start) log-probs, required when ``kl_coef > 0``.
+        aggregation: ``"token-mean"``: sum over all assistant tokens / their count (DAPO; the learner divides by
+            every token of the step's rollouts, zero-variance groups included, with or without a KL term);
             ``"seq-mean-token-sum"``: per episode the token sum, mean over episodes (Dr. GRPO);
             ``"seq-mean-token-mean"``: per episode the token mean, mean over episodes (original GRPO).
         num_episodes: number of episodes (default ``episode_ids.max() + 1``).
@@ -359,9 +360,8 @@ class Trainer:
         """
         import ray
 
-        from daedalus_trainer.checkpoint import CheckpointManager, TrainerState, capture_rng_state, export_adapter
+        from daedalus_trainer.checkpoint import CheckpointManager
         from daedalus_trainer.layouts import TrainingSampler
-        from daedalus_trainer.metrics import StepStats
 
         started = time.perf_counter()
         job, algo, ck = self.job, self.job.spec.algorithm, self.job.spec.checkpoint
@@ -374,7 +374,32 @@ class Trainer:
 
             resolve_base_dir(job.spec.model, self.work_dir)
         loaded = manager.resume(resume)  # before the actors start: a bad --resume fails in a second, not minutes
+        if loaded is not None:
+            check_adapter_matches(loaded.load_adapter_config(), self._expected_adapter(), loaded.path)
+        manager.abandon_other_timelines(loaded)  # only once nothing can refuse the run any more
         learner, workers = self._actors()
+        try:
+            return self._train(manager, loaded, sampler, learner, workers, started)
+        finally:  # also when the loop raises: an in-process caller's next Trainer needs the CPUs back
+            for actor in [learner, *workers]:
+                ray.kill(actor)
+
+    def _expected_adapter(self) -> dict[str, Any]:
+        """The :func:`~daedalus_trainer.policy.adapter_signature` of the adapter this run trains: the SFT adapter's
+        own when the start is a PEFT adapter (GRPO trains it further), else ``spec.lora``'s (a fresh adapter)."""
+        from daedalus_trainer.policy import adapter_signature, is_adapter_dir, read_adapter_config
+
+        return adapter_signature(read_adapter_config(self.start_dir) if is_adapter_dir(self.start_dir)
+                                 else self.job.spec.lora)
+
+    def _train(self, manager, loaded, sampler, learner, workers, started: float) -> TrainResult:
+        """The step loop of :meth:`train` on started actors (which the caller kills)."""
+        import ray
+
+        from daedalus_trainer.checkpoint import TrainerState, capture_rng_state, export_adapter
+        from daedalus_trainer.metrics import StepStats
+
+        algo, ck = self.job.spec.algorithm, self.job.spec.checkpoint
 
         history: list[dict[str, Any]] = []
         step = 0
@@ -418,51 +443,55 @@ class Trainer:
         saved_step = step if loaded is not None else -1
         self.control.set_status(phase="training", step=step)
         stopped = False
-        while step < algo.steps:
-            if self.control.stop_requested():
-                if saved_step != step:
-                    save(step)  # a stop that arrived after the end-of-step check still gets its checkpoint
-                stopped = True
-                break
-            # sample: M mazes for this step, G episodes on each (the same maze within a group)
-            t0 = time.perf_counter()
-            mazes = sampler.mazes(step, algo.mazes_per_step)
-            episodes = [m for m in mazes for _ in range(algo.group_size)]
-            # rollout with the current adapter (version = steps trained so far)
-            adapter_ref = learner.adapter_state.remote(packed=True)
-            parts = _split(episodes, len(workers))
-            futures = [w.rollout.remote(part, step_seed(algo.seed, step, i), adapter_ref, step)
-                       for i, (w, part) in enumerate(zip(workers, parts)) if part]
-            trajectories = [t for chunk in ray.get(futures) for t in chunk]
-            rollout_seconds = time.perf_counter() - t0
-            # reward -> advantage -> loss -> optimizer step (on the learner)
-            update = ray.get(learner.update.remote(trajectories, algo.group_size, step + 1))
-            step += 1
-            record = _step_record(step, trajectories, update, rollout_seconds)
-            history.append(record)
-            if record["parse_error_ratio"] >= FORMAT_COLLAPSE_RATIO:
-                # Measured on the tiny model: lr 3e-3 took parse errors from 0% to 99.7% in two steps; once every
-                # reply is unparseable every group has equal rewards and GRPO cannot recover on its own.
-                log.warning("step %d: %.0f%% of replies could not be parsed: the action format has collapsed; "
-                            "resume from an earlier checkpoint with a lower algorithm.learningRate or a klCoef > 0",
-                            step, 100 * record["parse_error_ratio"])
-            self.metrics.observe_step(StepStats(
-                step=step, success_ratio=record["success_ratio"], reward_mean=record["reward_mean"],
-                episode_turns=record["episode_turns"], rollout_tokens=record["rollout_tokens"],
-                zero_variance_groups=record["zero_variance_groups"], rollout_seconds=rollout_seconds,
-                learner_seconds=update.seconds, kl=update.kl, loss=update.loss, grad_norm=update.grad_norm))
-            self.control.set_status(step=step, success_ratio=record["success_ratio"],
-                                    reward_mean=record["reward_mean"])
-            if algo.eval_interval_steps and step % algo.eval_interval_steps == 0 and step < algo.steps:
-                record["eval_success_ratio"] = self._evaluate(learner, workers, step)
-            if self.on_step:
-                self.on_step(record)
-            # checkpoint on the interval, on request (operator before a node replacement), at the end, before a stop
-            if (step % ck.interval_steps == 0 or step == algo.steps or self.control.checkpoint_requested()
-                    or self.control.stop_requested()):
-                save(step)
-        if not stopped and self.control.checkpoint_requested() and saved_step != step:
-            save(step)  # a request that arrived after the last step
+        try:
+            while step < algo.steps:
+                if self.control.stop_requested():
+                    if saved_step != step:
+                        save(step)  # a stop that arrived after the end-of-step check still gets its checkpoint
+                    stopped = True
+                    break
+                # sample: M mazes for this step, G episodes on each (the same maze within a group)
+                t0 = time.perf_counter()
+                mazes = sampler.mazes(step, algo.mazes_per_step)
+                episodes = [m for m in mazes for _ in range(algo.group_size)]
+                # rollout with the current adapter (version = steps trained so far)
+                adapter_ref = learner.adapter_state.remote(packed=True)
+                parts = _split(episodes, len(workers))
+                futures = [w.rollout.remote(part, step_seed(algo.seed, step, i), adapter_ref, step)
+                           for i, (w, part) in enumerate(zip(workers, parts)) if part]
+                trajectories = [t for chunk in ray.get(futures) for t in chunk]
+                rollout_seconds = time.perf_counter() - t0
+                # reward -> advantage -> loss -> optimizer step (on the learner)
+                update = ray.get(learner.update.remote(trajectories, algo.group_size, step + 1))
+                step += 1
+                record = _step_record(step, trajectories, update, rollout_seconds)
+                history.append(record)
+                if record["parse_error_ratio"] >= FORMAT_COLLAPSE_RATIO:
+                    # Measured on the tiny model: lr 3e-3 took parse errors from 0% to 99.7% in two steps; once every
+                    # reply is unparseable every group has equal rewards and GRPO cannot recover on its own.
+                    log.warning("step %d: %.0f%% of replies could not be parsed: the action format has collapsed; "
+                                "resume from an earlier checkpoint with a lower algorithm.learningRate or a klCoef > 0",
+                                step, 100 * record["parse_error_ratio"])
+                self.metrics.observe_step(StepStats(
+                    step=step, success_ratio=record["success_ratio"], reward_mean=record["reward_mean"],
+                    episode_turns=record["episode_turns"], rollout_tokens=record["rollout_tokens"],
+                    zero_variance_groups=record["zero_variance_groups"], rollout_seconds=rollout_seconds,
+                    learner_seconds=update.seconds, kl=update.kl, loss=update.loss, grad_norm=update.grad_norm))
+                self.control.set_status(step=step, success_ratio=record["success_ratio"],
+                                        reward_mean=record["reward_mean"])
+                if algo.eval_interval_steps and step % algo.eval_interval_steps == 0 and step < algo.steps:
+                    record["eval_success_ratio"] = self._evaluate(learner, workers, step)
+                if self.on_step:
+                    self.on_step(record)
+                # checkpoint on the interval, on request (operator before a node replacement), at the end, before a stop
+                if (step % ck.interval_steps == 0 or step == algo.steps or self.control.checkpoint_requested()
+                        or self.control.stop_requested()):
+                    save(step)
+            if not stopped and self.control.checkpoint_requested() and saved_step != step:
+                save(step)  # a request that arrived after the last step
+        except BaseException:
+            checkpointer.close()  # what was queued still lands; the previous checkpoint stays intact
+            raise
         latest = checkpointer.close()  # the last checkpoint must be on disk before exporting or exiting
         if not stopped and self.final_eval and step == algo.steps:
             self.final_eval_success = self._evaluate(learner, workers, step)
@@ -470,9 +499,11 @@ class Trainer:
         if not stopped and latest is not None:
             adapter_dir = export_adapter(latest, self.run_dir / "exports" / "adapter")
             self.control.set_status(adapter_path=adapter_dir)
+        if latest is not None and latest.step == step and self.control.checkpoint_requested():
+            # asked for a checkpoint of a step that already has one (a stop right after a resume, a request after
+            # the final save): that checkpoint is the answer, not the "stopped before it was written" error
+            self.control.checkpoint_done(latest)
         self.control.set_status(phase="stopped" if stopped else "finished")
-        for actor in [learner, *workers]:
-            ray.kill(actor)
         return TrainResult(step, resumed_from, latest, adapter_dir, history, stopped, time.perf_counter() - started)
 
     def _evaluate(self, learner, workers, step: int) -> float:
@@ -492,6 +523,32 @@ class Trainer:
         self.control.set_status(phase="training")
         log.info("held-out greedy success at step %d: %.3f (%d mazes)", step, ratio, len(wins))
         return ratio
+
+
+def check_adapter_matches(saved: Mapping[str, Any], expected: Mapping[str, Any], where: Any) -> None:
+    """Refuse to resume a checkpoint whose LoRA adapter differs from the one this run trains.
+
+    A different rank or target list would fail deep inside the learner; a different ``lora_alpha`` would load
+    silently under another scale (PEFT multiplies the update by ``alpha / r``) and change the policy.
+
+    Args:
+        saved / expected: PEFT ``adapter_config.json`` dicts (``r``, ``lora_alpha``, ``target_modules``), compared
+            through :func:`daedalus_trainer.policy.adapter_signature`.
+        where: the checkpoint, for the message.
+
+    Raises:
+        daedalus_trainer.checkpoint.CheckpointError: naming each differing field and both values.
+    """
+    from daedalus_trainer.checkpoint import CheckpointError
+    from daedalus_trainer.policy import adapter_signature
+
+    a, b = adapter_signature(saved), adapter_signature(expected)
+    diff = [f"{k}: checkpoint {a[k]!r}, this run {b[k]!r}" for k in a if a[k] != b[k]]
+    if diff:
+        raise CheckpointError(f"checkpoint {where} holds a different LoRA adapter than this job trains ("
+                              + "; ".join(diff) + "): restore the job's lora section, or start over: locally "
+                              "`--resume none`; on a cluster a new job name, or the job's checkpoints directory "
+                              "moved aside")
 
 
 def _split(items: list, parts: int) -> list[list]:

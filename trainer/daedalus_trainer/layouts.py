@@ -21,9 +21,8 @@ from typing import Any
 import numpy as np
 
 from daedalus_trainer.envs import Maze, corner_pairs, count_layouts, generate_maze
+from daedalus_trainer.config import MIN_TRAINING_LAYOUTS, max_eval_mazes
 
-#: A training set smaller than this is too small to learn navigation rather than memorise layouts.
-MIN_TRAINING_LAYOUTS = 16
 #: Above this side the exact layout count (a big-integer determinant) is replaced by a float estimate.
 EXACT_COUNT_MAX_SIZE = 15
 #: Attempts per requested maze before a sampler gives up (rejection sampling).
@@ -109,7 +108,7 @@ def check_layouts(env_spec: Any, min_training: int | None = None) -> LayoutRepor
             f"lower evalMazes or use a larger size"
         )
     if report.training < need:
-        max_eval = max(0, int(min(possible - MIN_TRAINING_LAYOUTS, possible // 2)))
+        max_eval = max_eval_mazes(possible)
         fix = (f"lower environment.evalMazes to at most {max_eval} or use a larger environment.size" if max_eval
                else "use a larger environment.size (7 or more)")
         raise LayoutError(

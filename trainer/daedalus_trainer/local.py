@@ -44,20 +44,21 @@ def _free_port(preferred: int) -> int:
 
 
 def start_fingerprint(job, model_path: str, adapter_path: str | None) -> str:
-    """What the cached evaluation of the starting point depends on, as a sha256 hex digest: the name, size in bytes
-    and modification time (ns) of every weight file (``*.safetensors``, ``*.bin``) in ``model_path`` and
+    """What the cached evaluation of the starting point depends on, as a sha256 hex digest: the file name, size in
+    bytes and modification time (ns) of every weight file (``*.safetensors``, ``*.bin``) in ``model_path`` and
     ``adapter_path``, and the job's ``environment`` and sampling settings (``temperature``, ``topP``,
     ``maxTokensPerTurn``). File metadata rather than content, so a multi-GB base model costs no read; any new save
     of the weights changes the modification time."""
     import hashlib
 
     files = []
-    for d in (model_path, adapter_path):
+    for role, d in (("model", model_path), ("adapter", adapter_path)):
         if d:
             for f in sorted(Path(d).iterdir()):
                 if f.suffix in (".safetensors", ".bin") and f.is_file():
                     st = f.stat()
-                    files.append([str(f), st.st_size, st.st_mtime_ns])
+                    # the name, not the path: the same run continued from another working directory is the same start
+                    files.append([role, f.name, st.st_size, st.st_mtime_ns])
     algo = job.spec.algorithm
     key = {"files": files, "environment": job.spec.environment.model_dump(mode="json"),
            "sampling": [algo.temperature, algo.top_p, algo.max_tokens_per_turn]}
@@ -103,11 +104,18 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     job = load_job(job_path)
     run_dir = Path(runs_dir) / job.metadata.name
     run_dir.mkdir(parents=True, exist_ok=True)
-    if resume not in ("latest", "none"):  # a GRPO checkpoint path: verify it now, not after SFT and an evaluation
-        from daedalus_trainer.checkpoint import CheckpointError, resolve_resume
+    if resume != "latest":
+        # A GRPO checkpoint path is verified now, not after SFT and an evaluation (the trainer moves the checkpoints
+        # it will not continue aside once it has accepted it). With `none`, the old run's GRPO checkpoints go aside
+        # before SFT starts over, so that an interrupted run is never followed by a `latest` resume of the old
+        # timeline on top of a new SFT model.
+        from daedalus_trainer.checkpoint import CheckpointError, CheckpointManager
 
         try:
-            resolve_resume(resume, run_dir / "checkpoints")
+            manager = CheckpointManager(run_dir / "checkpoints", keep=job.spec.checkpoint.keep)
+            loaded = manager.resume(resume)
+            if loaded is None:
+                manager.abandon_other_timelines(None)
         except CheckpointError as exc:
             console.print(f"[red]--resume {resume}: {exc}[/red]")
             return 2

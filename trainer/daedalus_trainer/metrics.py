@@ -69,7 +69,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("daedalus_train_episode_turns", "gauge", "turns",
                "Mean number of turns per episode in the last step's rollouts."),
     MetricSpec("daedalus_train_kl", "gauge", "nats",
-               "Mean per-token KL(policy || reference) of the last update (k3 estimator; reference = adapter off); "
+               "Mean per-token KL(policy || reference) of the last update (k3 estimator; reference = the SFT start); "
                "exported only when algorithm.klCoef > 0."),
     MetricSpec("daedalus_train_loss", "gauge", "loss",
                "GRPO loss of the last update (clipped surrogate + klCoef * KL, per lossAggregation)."),

@@ -18,10 +18,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import threading
 import shutil
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,14 @@ from PIL import Image
 
 from daedalus_trainer import tiny as tiny_mod
 
+log = logging.getLogger("daedalus.policy")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Name of the tiny base checkpoint directory built under a work directory when ``model.path`` is not given.
 TINY_BASE_DIRNAME = "tiny-base"
 ADAPTER_CONFIG = "adapter_config.json"
+#: PEFT adapter name of the frozen reference copy of an SFT adapter (:meth:`Policy.add_reference_adapter`).
+REFERENCE_ADAPTER = "reference"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: Shortest common prefix worth encoding once per batch (see :meth:`Policy.shared_prefix_length`).
 MIN_SHARED_PREFIX = 16
@@ -281,8 +286,31 @@ class Policy:
         """
         if not self.has_adapter:
             raise ValueError("the reference policy needs a LoRA adapter (peft disable_adapter)")
+        if REFERENCE_ADAPTER in self.model.peft_config:
+            # the start was an SFT adapter: the reference is that adapter, frozen (see :meth:`add_reference_adapter`)
+            self.model.set_adapter(REFERENCE_ADAPTER)
+            try:
+                yield
+            finally:
+                self.model.set_adapter("default")  # also makes only the trained adapter require grad again
+            return
         with self.model.disable_adapter():
             yield
+
+    def add_reference_adapter(self, path: str | Path) -> None:
+        """Load the PEFT adapter at ``path`` a second time, frozen, as the reference policy of :meth:`reference`.
+
+        GRPO's KL term is to the starting (SFT) policy. When that start is a full model, disabling the trained
+        adapter gives it; when it is itself an adapter (which GRPO trains further, so the exported adapter serves on
+        the base model alone), disabling would give the base model instead, so a frozen copy stands in.
+
+        Raises:
+            ValueError: no adapter attached yet (load the trained one first).
+        """
+        if not self.has_adapter:
+            raise ValueError("load the trained adapter before its reference copy")
+        self.model.load_adapter(str(path), adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        self.model.set_adapter("default")
 
     # -- batches ---------------------------------------------------------------------------------------------------
     def encode_prompts(self, conversations: Sequence[list[dict[str, Any]]], images: Sequence[Sequence[Any]]) -> Any:
@@ -698,9 +726,39 @@ def load_policy(
     policy = load_pretrained(base_dir, dtype, device)
     if sft and is_adapter_dir(sft):
         policy.load_adapter(sft, trainable=trainable)
+        if lora is not None and trainable:
+            _warn_ignored_lora(sft, lora)
     elif lora is not None:
         policy.add_lora(lora)
     return policy
+
+
+def adapter_signature(cfg: Any) -> dict[str, Any]:
+    """What makes two LoRA adapters interchangeable: ``{"r", "lora_alpha", "target_modules"}`` of a PEFT
+    ``adapter_config.json`` dict (alpha as a float, targets sorted), or of a ``LoraSpec``-like object (``rank``,
+    ``alpha``, ``target_modules``): the adapter a fresh ``add_lora`` attaches."""
+    if not isinstance(cfg, Mapping):
+        cfg = {"r": cfg.rank, "lora_alpha": cfg.alpha, "target_modules": cfg.target_modules}
+    targets = cfg.get("target_modules")
+    alpha = cfg.get("lora_alpha")
+    return {"r": cfg.get("r"), "lora_alpha": None if alpha is None else float(alpha),
+            "target_modules": sorted(targets) if isinstance(targets, (list, tuple, set)) else targets}
+
+
+def read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
+    """The parsed ``adapter_config.json`` of a PEFT adapter directory."""
+    return json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+
+
+def _warn_ignored_lora(adapter_dir: str | Path, lora: Any) -> None:
+    """Log which ``lora`` fields do not apply: a PEFT SFT adapter is trained further with its own rank, alpha and
+    targets (changing them would discard what SFT learned)."""
+    own, spec = adapter_signature(read_adapter_config(adapter_dir)), adapter_signature(lora)
+    names = {"r": "rank", "lora_alpha": "alpha", "target_modules": "targetModules"}
+    differ = [f"lora.{names[k]} {spec[k]!r} -> {own[k]!r}" for k in spec if spec[k] != own[k]]
+    if differ:
+        log.warning("model.sftAdapter %s is a PEFT adapter: GRPO trains it further with its own settings, so the "
+                    "job's %s do not apply", adapter_dir, ", ".join(differ))
 
 
 def read_tiny_meta(path: str | Path) -> dict[str, Any] | None:

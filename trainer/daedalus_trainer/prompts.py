@@ -12,6 +12,9 @@ assistant messages in between::
     assistant: <- generated here
 
 ``history_turns = 1`` keeps only the current observation (and its feedback), so the prompt holds exactly one image.
+A reply put back into the context is first stripped of special-token literals (:func:`history_text`): the model may
+spell ``<|image_pad|>`` or ``<|im_end|>`` with ordinary byte tokens, and the tokenizer would read the text back as the
+special token (an image pad with no image behind it breaks the forward; an ``<|im_end|>`` forges a turn boundary).
 With ``observation = "ascii"`` no image is shown; with ``"image+ascii"`` both.
 
 The rendered text goes through the checkpoint's chat template and processor (:func:`encode_prompts`), which expands
@@ -22,6 +25,7 @@ engines and SFT both call these functions; SFT's target is :func:`completion_ids
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +33,23 @@ from typing import Any
 from daedalus_trainer.envs import instructions
 
 Message = dict[str, Any]
+
+#: Qwen-style special-token literals (``<|im_end|>``, ``<|image_pad|>``, ``<|vision_start|>``, ...): Qwen2/2.5/3-VL
+#: tokenizers map each such string in a text to its special token whatever bytes spelled it.
+SPECIAL_TOKEN_LITERAL = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+
+
+def history_text(reply: str) -> str:
+    """``reply`` as it may re-enter a prompt: every special-token literal (:data:`SPECIAL_TOKEN_LITERAL`) removed.
+
+    The reply's own tokens (what the learner scores) are untouched; only the text shown in later turns changes.
+    Removal repeats until nothing matches: one pass would rebuild ``<|im_end|>`` from ``<|im_<|x|>end|>``.
+    """
+    while True:
+        cleaned = SPECIAL_TOKEN_LITERAL.sub("", reply)
+        if cleaned == reply:
+            return cleaned
+        reply = cleaned
 
 
 @dataclass(frozen=True)
@@ -109,7 +130,8 @@ def build_conversation(
 
     Args:
         observations: every observation of the episode so far, ``o_0 .. o_t`` (o_0 from ``reset``).
-        replies: the model's replies ``r_0 .. r_{t-1}`` (one fewer than observations), as text.
+        replies: the model's replies ``r_0 .. r_{t-1}`` (one fewer than observations), as text; shown through
+            :func:`history_text`.
         settings: prompt settings.
 
     Returns:
@@ -133,7 +155,7 @@ def build_conversation(
         messages.append({"role": "user", "content": content})
         images.extend(imgs)
         if k < t:
-            messages.append({"role": "assistant", "content": replies[k]})
+            messages.append({"role": "assistant", "content": history_text(replies[k])})
     return messages, images
 
 

@@ -15,7 +15,8 @@ Routes:
 
 ``POST`` routes require ``Authorization: Bearer <token>``; the token comes from ``DAEDALUS_CONTROL_TOKEN`` or the
 file named by ``DAEDALUS_CONTROL_TOKEN_FILE`` (the operator's Secret), is compared in constant time
-(:func:`hmac.compare_digest`), and is read per request so a rotated Secret file takes effect. Responses: 401 without
+(:func:`hmac.compare_digest`), and is read per request (a replaced token file takes effect at once; the operator
+passes the token in the environment, so a new one reaches the trainer with its next RayCluster). Responses: 401 without
 or with a wrong token (with ``WWW-Authenticate: Bearer``), 503 when no token is configured, 504 when the wait times
 out (the request stays pending and is still honoured), 409 when the trainer has already finished or failed, 500 when
 the save failed.
@@ -67,6 +68,8 @@ TOKEN_ENV = "DAEDALUS_CONTROL_TOKEN"
 TOKEN_FILE_ENV = "DAEDALUS_CONTROL_TOKEN_FILE"
 DEFAULT_WAIT_SECONDS = 300.0
 MAX_WAIT_SECONDS = 3600.0
+#: Socket timeout of a control/metrics connection, seconds (a stalled request body, an idle keep-alive connection).
+SOCKET_TIMEOUT_SECONDS = 30.0
 
 Phase = Literal["starting", "sft", "training", "evaluating", "checkpointing", "finished", "stopped", "failed"]
 """Trainer phases in ``/status``. ``stopped``: left the loop on ``POST /stop`` after a checkpoint (the operator
@@ -282,6 +285,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
     server_version = "daedalus-trainer"
+    #: Seconds a connection may sit silent mid-request or idle between keep-alive requests (socketserver sets it on
+    #: the socket): a client that announces a body and never sends it cannot hold a handler thread for ever.
+    timeout = SOCKET_TIMEOUT_SECONDS
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         log.debug("%s - %s", self.address_string(), format % args)
@@ -293,6 +299,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
+        if self.close_connection:
+            self.send_header("Connection", "close")
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
@@ -335,16 +343,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     do_HEAD = do_GET
 
     def do_POST(self) -> None:  # noqa: N802 - stdlib naming
-        self._drain_body()
         url = urlsplit(self.path)
         if url.path not in ("/checkpoint", "/stop"):
+            self.close_connection = True  # the body is never read
             if url.path in ("/metrics", "/healthz", "/status"):
                 self._json(405, {"error": f"use GET {url.path}"}, {"Allow": "GET, HEAD"})
             else:
                 self._json(404, {"error": f"no route {url.path}"})
             return
+        self.close_connection = True  # until the caller is authorised: an unauthenticated body is never read
         if not self._authorised():
             return
+        self.close_connection = False
+        self._drain_body()
         try:
             timeout = self._timeout(url.query)
         except ValueError as e:

@@ -463,7 +463,7 @@ def run_sft(
     ckpt = _find_checkpoint(out_dir) if resume else None
     if ckpt is not None and report_path.is_file():  # finished before: done unless the budget was raised since
         done = json.loads(report_path.read_text())
-        result = Path(done["result"])
+        result = out_dir / Path(done["result"]).name  # `model` or `adapter` here, wherever the run started from
         finished = (result / "config.json").is_file() or (result / "adapter_config.json").is_file()
         if done.get("completed") and finished and exhausted(SFTState(**json.loads((ckpt / "state.json").read_text()))):
             return result
@@ -547,8 +547,7 @@ def run_sft(
             window_tokens += n_tok
             window_time += dt
             bar.n = min(100, round(100 * spent()))
-            bar.refresh()
-            bar.set_postfix(step=state.step, loss=f"{window_loss[-1]:.3f}",
+            bar.set_postfix(step=state.step, loss=f"{window_loss[-1]:.3f}",  # redraws the bar too
                             tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}", **pool_postfix())
             if state.step % log_every == 0 or not budget_left():
                 t1 = time.perf_counter()
@@ -594,7 +593,7 @@ def run_sft(
     else:
         result = policy.save_pretrained(out_dir / MODEL_DIRNAME)
     report = {
-        "result": str(result),
+        "result": Path(result).name,  # relative to this report: the run may continue from another directory
         "completed": True,
         "steps": state.step,
         "seconds": round(state.seconds, 2),
