@@ -52,6 +52,9 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 GENERATION_ANNOTATION = "daedalus.dev/job-generation"
 #: Annotation on the control Secret: never rotated by reconcile (documentation for humans).
 TOKEN_ANNOTATION = "daedalus.dev/token-rotation"
+#: Annotation on the NetworkPolicy: SHA-256 of the spec the operator wrote (patched when the desired spec differs,
+#: e.g. after ``--metrics-namespace`` or ``--operator-namespace`` changed with the chart's values).
+SPEC_DIGEST_ANNOTATION = "daedalus.dev/spec-digest"
 
 #: KubeRay pod labels (ray-operator/controllers/ray/utils/constant.go).
 RAY_CLUSTER_LABEL = "ray.io/cluster"
@@ -94,15 +97,17 @@ GCS_PORT = 6379
 CLIENT_PORT = 10001
 RAY_METRICS_PORT = 8080
 SERVE_PORT = 8000
-#: Where the ConfigMap (``config.json``) and the control Secret (``token``) are mounted in the Ray pods.
+#: Where the ConfigMap (``config.json``) is mounted in the Ray pods.
 CONFIG_DIR = "/etc/daedalus"
 CONFIG_KEY = "config.json"
-TOKEN_DIR = "/var/run/secrets/daedalus"
+#: Key of the control token in the job's Secret; the head container gets it as the environment variable
+#: :data:`ENV_TOKEN` (``env.valueFrom.secretKeyRef``), not as a file: a Secret volume is root-owned and the trainer
+#: image runs as uid 10001 without an fsGroup, so a 0400 token file would be unreadable to it.
 TOKEN_KEY = "token"
+ENV_TOKEN = "DAEDALUS_CONTROL_TOKEN"
 #: The Ray job's entrypoint; ``{config}`` is replaced by the config file path.
 ENTRYPOINT = "python -m daedalus_trainer train --config {config} --resume latest"
 #: Environment variables the operator passes to the Ray job (runtime_env.env_vars) and the trainer reads.
-ENV_TOKEN_FILE = "DAEDALUS_CONTROL_TOKEN_FILE"
 ENV_PORT = "DAEDALUS_METRICS_PORT"
 ENV_ATTEMPT = "DAEDALUS_ATTEMPT"
 ENV_JOB = "DAEDALUS_JOB"

@@ -14,7 +14,7 @@ Registered by :func:`register` on an explicit registry (the timer interval is a 
 - ``@kopf.on.delete`` (the finalizer): stop the Ray job, delete the children, and release after
   ``--deletion-timeout`` seconds whatever failed.
 - ``@kopf.on.probe``: the liveness endpoint fails when the API server has not answered for ``--liveness-stale``
-  seconds.
+  seconds (:func:`liveness`: ``GET /version``; any HTTP answer, a 403 included, counts as an answer).
 
 One reconcile: a fresh GET of the job (never a stale body), observations, the plan, the status written once when it
 changed (a merge patch carrying the job's resourceVersion: a concurrent write makes it 409 and the next tick re-plans
@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import hashlib
-import json
 import logging
 import os
 import threading
@@ -162,24 +160,36 @@ def job_view(body: dict[str, Any]) -> JobView:
                    serving_lora_uri=(meta.get("annotations") or {}).get(resources.SERVING_LORA_URI_ANNOTATION))
 
 
-def _store_values(index: Any, key: Any) -> list[dict]:
-    """Values of a kopf index key, copied (the index changes under us in kopf's event loop thread)."""
+def _copy_retrying(read: Any, catch: tuple[type[BaseException], ...]) -> Any:
+    """``read()`` (a copy of a kopf index, which changes under us in kopf's event loop thread), retried up to 5 times
+    10 ms apart while it raises one of ``catch``.
+
+    Raises:
+        kopf.TemporaryError: the copy kept failing. Never an empty answer: the planner would take every pod and node
+            for lost and stop or restart a healthy job.
+    """
     for _ in range(5):
         try:
-            return [dict(v) for v in (index.get(key) or [])] if index is not None else []
-        except RuntimeError:  # changed size during iteration
+            return read()
+        except catch:
             time.sleep(0.01)
-    return []
+    raise kopf.TemporaryError("the kopf index kept changing while it was read; reconciling again", delay=1.0)
+
+
+def _store_values(index: Any, key: Any) -> list[dict]:
+    """Values of a kopf index key, copied (:func:`_copy_retrying`; ``RuntimeError``: changed size during iteration)."""
+    if index is None:
+        return []
+    return _copy_retrying(lambda: [dict(v) for v in (index.get(key) or [])], (RuntimeError,))
 
 
 def _all_values(index: Any) -> dict[Any, dict]:
-    for _ in range(5):
-        try:
-            return {k: dict(next(iter(store))) for k, store in list(index.items()) if store} if index is not None \
-                else {}
-        except (RuntimeError, StopIteration):
-            time.sleep(0.01)
-    return {}
+    """One value per key of a kopf index, copied (:func:`_copy_retrying`; a store emptied between the test and the
+    read raises ``StopIteration``)."""
+    if index is None:
+        return {}
+    return _copy_retrying(lambda: {k: dict(next(iter(store))) for k, store in list(index.items()) if store},
+                          (RuntimeError, StopIteration))
 
 
 def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
@@ -233,8 +243,9 @@ def _token(rt: Runtime, job: JobView) -> str | None:
 
 
 def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> None:
-    """Create what is missing (ConfigMap, Secret, NetworkPolicy, RayCluster, in that order: the pods mount the first
-    two); bring the ConfigMap's data up to date; never touch an existing Secret.
+    """Create what is missing (ConfigMap, NetworkPolicy, Secret, RayCluster, in that order: the RayCluster's pods need
+    the ConfigMap and the Secret); bring the ConfigMap's data and the NetworkPolicy's spec up to date (the latter by
+    its digest annotation, once per operator process); never touch an existing Secret.
 
     Children this process already created (or was told exist) are not created again (:class:`Children`): only the
     first ``EnsureChildren`` of a job costs API calls, later ones (the index lagging behind the new RayCluster, the
@@ -245,7 +256,7 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
     made = rt.children(job.uid)
     made.note_cluster(cluster_exists)
     cm = resources.build_config_map(job)
-    digest = hashlib.sha256(json.dumps(cm["data"], sort_keys=True).encode()).hexdigest()
+    digest = resources.spec_digest(cm["data"])
     if kube.CONFIGMAPS not in made.present or made.config_digest != digest:
         try:
             k.create(kube.CONFIGMAPS, job.namespace, cm)
@@ -257,8 +268,8 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
                 k.patch(kube.CONFIGMAPS, job.namespace, cm["metadata"]["name"], {"data": cm["data"]})
         made.present.add(kube.CONFIGMAPS)
         made.config_digest = digest
+    network_policy_once(rt, job)
     for key, build in ((kube.SECRETS, lambda: resources.build_secret(job)),
-                       (kube.NETWORKPOLICIES, lambda: resources.build_network_policy(job, rt.settings)),
                        (kube.RAYCLUSTERS, lambda: resources.build_raycluster(job, rt.settings))):
         if key in made.present:
             continue
@@ -267,15 +278,45 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
             # from "deleted before the index ever saw it" (create it again now, not after INDEX_LAG_SECONDS).
             if k.get(key, job.namespace, api.raycluster_name(job.name)) is not None:
                 continue
+        body = build()
         try:
-            k.create(key, job.namespace, build())
+            k.create(key, job.namespace, body)
+            if key == kube.SECRETS:  # a new token: the head of the cluster created next starts with it
+                rt.tokens[job.uid] = resources.secret_token(body)
         except kube.KubeError as e:
             if not e.conflict:
                 raise
+            if key == kube.SECRETS:  # exists, perhaps replaced since this process cached a token: read it again
+                rt.tokens.pop(job.uid, None)
         if key == kube.RAYCLUSTERS:
             made.cluster_created = time.monotonic()  # present once the index shows it (note_cluster)
         else:
             made.present.add(key)
+
+
+def network_policy_once(rt: Runtime, job: JobView) -> None:
+    """:func:`ensure_network_policy` for ``job`` once per job and operator process (:class:`Children` records it)."""
+    made = rt.children(job.uid)
+    if kube.NETWORKPOLICIES not in made.present:
+        ensure_network_policy(rt.kube, resources.build_network_policy(job, rt.settings))
+        made.present.add(kube.NETWORKPOLICIES)
+
+
+def ensure_network_policy(k: kube.KubeAPI, body: dict[str, Any]) -> None:
+    """Create the job's NetworkPolicy; when it exists with another spec digest (written from other operator settings:
+    ``--metrics-namespace``, ``--operator-namespace``, the operator's pod labels), patch its spec and digest."""
+    meta = body["metadata"]
+    try:
+        k.create(kube.NETWORKPOLICIES, meta["namespace"], body)
+        return
+    except kube.KubeError as e:
+        if not e.conflict:
+            raise
+    current = k.get(kube.NETWORKPOLICIES, meta["namespace"], meta["name"]) or {}
+    digest = meta["annotations"][api.SPEC_DIGEST_ANNOTATION]
+    if ((current.get("metadata") or {}).get("annotations") or {}).get(api.SPEC_DIGEST_ANNOTATION) != digest:
+        k.patch(kube.NETWORKPOLICIES, meta["namespace"], meta["name"],
+                {"metadata": {"annotations": {api.SPEC_DIGEST_ANNOTATION: digest}}, "spec": body["spec"]})
 
 
 def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: Any) -> None:
@@ -292,7 +333,7 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
     elif isinstance(action, Submit):
         if not c.dashboard_url:
             raise RayUnreachable("no head address to submit to")
-        env = {api.ENV_TOKEN_FILE: rt.settings.token_path, api.ENV_PORT: str(rt.settings.control_port),
+        env = {api.ENV_PORT: str(rt.settings.control_port),
                api.ENV_ATTEMPT: str(action.attempt), api.ENV_JOB: job.name, api.ENV_NAMESPACE: job.namespace,
                api.ENV_SUBMISSION_ID: action.submission_id}
         result = rt.ray_jobs(c.dashboard_url).submit(
@@ -384,10 +425,16 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
                                          {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
                                           "status": patch}, status=True)
                 except kube.KubeError as e:
-                    result = "error"
                     raise kopf.TemporaryError(f"status write failed ({e}); re-planning from fresh state", delay=1.0)
             for ev in last.events:
                 kopf.event(body, type=ev.type.value, reason=ev.reason, message=ev.message[:1024])
+            if observed.cluster.exists and job.spec is not None:
+                # First look at a live job in this process: bring its NetworkPolicy up to date with this process's
+                # settings now, not only when the next EnsureChildren runs (one 409 per job and operator start).
+                try:
+                    network_policy_once(rt, job)
+                except kube.KubeError as e:
+                    logger.warning(f"NetworkPolicy of {namespace}/{name}: {e}; will retry")
             error = None
             for action in last.actions:
                 try:
@@ -420,6 +467,7 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
             rt.metrics.observe_job(namespace, name, st.get("phase") or last.phase.value, int(st.get("restarts") or 0))
         return last
     except kopf.TemporaryError:
+        result = "error"
         raise
     except kube.KubeError as e:
         result = "error"
@@ -542,15 +590,27 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
 
     @kopf.on.probe(id="api", registry=registry)
     def probe_api(**_: Any) -> str:
-        try:
-            rt.kube.list(kube.RLTJ, limit=1)
-            rt.last_api_ok = time.monotonic()
-        except kube.KubeError as e:
+        return liveness(rt)
+
+
+def liveness(rt: Runtime) -> str:
+    """The liveness probe's check: can this process reach the API server? ``GET /version``; any HTTP answer counts,
+    a 401/403 included (the server answered: a restart would not help, and a namespaced operator may not be allowed
+    much cluster-wide). Only no answer for ``liveness_stale`` seconds fails the probe.
+
+    Raises:
+        kopf.PermanentError: no answer from the API server for longer than ``settings.liveness_stale``.
+    """
+    try:
+        rt.kube.version()
+    except kube.KubeError as e:
+        if not e.status:  # no HTTP answer: connection refused, timeout, TLS failure
             age = time.monotonic() - rt.last_api_ok
-            if age > s.liveness_stale:
-                raise kopf.PermanentError(f"the API server has not answered for {age:.0f} s: {e}")
+            if age > rt.settings.liveness_stale:
+                raise kopf.PermanentError(f"the API server has not answered for {age:.0f} s: {e}") from None
             return f"degraded ({age:.0f} s since the last answer)"
-        return "ok"
+    rt.last_api_ok = time.monotonic()
+    return "ok"
 
 
 def login_with_kubeconfig_file(path: str | None) -> kopf.ConnectionInfo:

@@ -109,6 +109,10 @@ class KubeAPI:
             raise KubeError(resp.status, reason or "Error", message[:500])
         return doc
 
+    def version(self) -> dict:
+        """``GET /version`` (readable by every authenticated client under the default RBAC: system:discovery)."""
+        return self._call("GET", "/version") or {}
+
     def get(self, key: str, namespace: str | None, name: str) -> dict | None:
         """The object, or ``None`` when it does not exist."""
         try:

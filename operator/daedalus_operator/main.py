@@ -21,7 +21,7 @@ from typing import Any
 
 import kopf
 
-from daedalus_operator import api
+from daedalus_operator import api, kube
 from daedalus_operator.handlers import Runtime, register
 from daedalus_operator.metrics import OperatorMetrics
 from daedalus_operator.settings import OperatorSettings
@@ -65,7 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--entrypoint", default=api.ENTRYPOINT,
                    help="Ray job entrypoint; {config} becomes the config file path")
     p.add_argument("--config-dir", default=api.CONFIG_DIR, help="ConfigMap mount path in the Ray pods")
-    p.add_argument("--token-dir", default=api.TOKEN_DIR, help="control-token Secret mount path in the Ray pods")
     p.add_argument("--operator-namespace", default=os.environ.get("POD_NAMESPACE", "daedalus-system"),
                    help="namespace of the operator's pods (NetworkPolicy source)")
     p.add_argument("--operator-pod-label", action="append", default=[], metavar="KEY=VALUE",
@@ -99,7 +98,6 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         metrics_namespaces=tuple(args.metrics_namespace),
         control_port=args.control_port,
         config_dir=args.config_dir,
-        token_dir=args.token_dir,
         entrypoint=args.entrypoint,
         poll_interval=args.poll_interval,
         unreachable_grace=args.unreachable_grace,
@@ -109,6 +107,26 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         liveness_stale=args.liveness_stale,
         kubeconfig=args.kubeconfig,
     )
+
+
+def check_kube_config(kubeconfig: str | None) -> Any:
+    """Load the client configuration once, before kopf starts (whose startup handler would otherwise log a traceback
+    and retry every minute for ever), and return the API client the operator then uses.
+
+    Raises:
+        SystemExit: one line naming where the configuration was looked for and why it failed.
+    """
+    import kubernetes
+
+    from daedalus_operator.handlers import _in_cluster
+    from daedalus_operator.kube import api_client_from_environment
+
+    where = kubeconfig or os.environ.get("KUBECONFIG") or (
+        "the in-cluster service account" if _in_cluster() else "~/.kube/config")
+    try:
+        return api_client_from_environment(kubeconfig)
+    except (kubernetes.config.ConfigException, OSError, ValueError) as e:
+        raise SystemExit(f"daedalus operator: cannot load the Kubernetes client configuration from {where}: {e}")
 
 
 def run(argv: list[str], *, stop_flag: threading.Event | None = None, ready_flag: threading.Event | None = None,
@@ -122,10 +140,12 @@ def run(argv: list[str], *, stop_flag: threading.Event | None = None, ready_flag
         logging.getLogger("kopf.objects").addFilter(_QuietTimer())
         logging.getLogger("urllib3").setLevel(logging.WARNING)
     settings = settings_from_args(args)
+    client = check_kube_config(settings.kubeconfig)
     metrics = metrics or OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port)
-    rt = Runtime(settings=settings, metrics=metrics)
+    # the startup handler keeps this client (it builds one only when none is given), so the kubeconfig is read once
+    rt = Runtime(settings=settings, metrics=metrics, kube=kube.KubeAPI(client, timeout=settings.request_timeout * 2))
     registry = kopf.OperatorRegistry()
     register(registry, rt)
     namespaces = tuple(args.namespace)

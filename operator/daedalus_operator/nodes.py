@@ -85,6 +85,10 @@ class NodeHealth:
             good nodes.
         pods: number of the job's pods (not being deleted).
         ready_pods: how many of them are Running and Ready.
+        unscheduled: ``"<pod>: <scheduler message>"`` for pods the scheduler could not place (``PodScheduled``
+            False), for the Provisioning condition's message.
+        head_created: ``creationTimestamp`` of the newest head pod not being deleted (``None`` without one): a head
+            created after an attempt started is a new Ray cluster that cannot be running that attempt's Ray job.
     """
 
     announced: tuple[NodeIssue, ...] = ()
@@ -93,6 +97,8 @@ class NodeHealth:
     bad_pods: tuple[str, ...] = ()
     pods: int = 0
     ready_pods: int = 0
+    head_created: dt.datetime | None = None
+    unscheduled: tuple[str, ...] = ()
 
     @property
     def head_lost(self) -> bool:
@@ -203,6 +209,8 @@ def node_health(
     ready = 0
     roles_present: dict[str, int] = {"head": 0, "worker": 0}
     deleting: set[str] = set()
+    head_created: dt.datetime | None = None
+    unscheduled: list[str] = []
     for pod in pods:
         meta = pod.get("metadata") or {}
         name = meta.get("name", "")
@@ -217,14 +225,20 @@ def node_health(
             continue
         live += 1
         roles_present[role] += 1
+        created = parse_time(meta.get("creationTimestamp"))
+        if role == "head" and created is not None and (head_created is None or created > head_created):
+            head_created = created
         if phase in ("Failed", "Succeeded"):
             lost_pods.append(PodIssue(name, node, role, "PodFailed",
                                       f"phase {phase}" + (f", {_terminated_reason(pod)}" if _terminated_reason(pod) else "")))
             bad_pods.append(name)
             continue
+        sched = _condition(pod, "PodScheduled")
+        if sched is not None and sched.get("status") == "False":
+            unscheduled.append(f"pod {name}: {sched.get('reason') or 'Unschedulable'}: {sched.get('message') or ''}"
+                               .rstrip(": "))
         is_ready = pod_ready(pod)
         ready += is_ready
-        created = parse_time(meta.get("creationTimestamp"))
         if since is not None and created is not None and created > since:
             lost_pods.append(PodIssue(name, node, role, "PodReplaced",
                                       f"created {format_time(created)} after the attempt started {format_time(since)}"))
@@ -264,6 +278,8 @@ def node_health(
         bad_pods=tuple(sorted(set(bad_pods) - deleting)),
         pods=live,
         ready_pods=ready,
+        head_created=head_created,
+        unscheduled=tuple(unscheduled),
     )
 
 
@@ -282,6 +298,7 @@ class ClusterState:
             defaulting to 8265 / 9400.
         state: KubeRay's ``status.state`` (``ready``, ``suspended``, ...), empty when absent.
         message: ``status.reason`` or the message of a False condition, for humans.
+        created: ``metadata.creationTimestamp`` (``None`` when absent).
     """
 
     exists: bool = False
@@ -292,6 +309,7 @@ class ClusterState:
     control_port: int = api.CONTROL_PORT
     state: str = ""
     message: str = ""
+    created: dt.datetime | None = None
 
     @property
     def dashboard_url(self) -> str | None:
@@ -324,19 +342,25 @@ def read_cluster(body: Mapping[str, Any] | None, *, control_port: int = api.CONT
     head = status.get("head") or {}
     endpoints = status.get("endpoints") or {}
     conds = {c.get("type"): c for c in status.get("conditions") or []}
-    by_conditions = all((conds.get(t) or {}).get("status") == "True" for t in ("HeadPodReady", "RayClusterProvisioned"))
     state = status.get("state") or ""
+    # KubeRay keeps `state: ready` (and the head's serviceIP) after the head pod is lost, until suspend: when it
+    # publishes conditions, HeadPodReady (with RayClusterProvisioned) is what says the head answers now.
+    if "HeadPodReady" in conds:
+        up = all((conds.get(t) or {}).get("status") == "True" for t in ("HeadPodReady", "RayClusterProvisioned"))
+    else:
+        up = state == "ready"
     host = head.get("serviceIP") or head.get("podIP")
-    if not host and meta.get("name") and meta.get("namespace") and (state == "ready" or by_conditions):
+    if not host and meta.get("name") and meta.get("namespace") and up:
         host = f"{api.head_service_name(meta['name'])}.{meta['namespace']}.svc"
     false_msgs = [f"{t}: {c.get('message') or c.get('reason')}" for t, c in conds.items() if c.get("status") != "True"]
     return ClusterState(
         exists=True,
-        ready=bool((state == "ready" or by_conditions) and host) and not meta.get("deletionTimestamp"),
+        ready=bool(up and host) and not meta.get("deletionTimestamp"),
         deleting=bool(meta.get("deletionTimestamp")),
         head_host=host or None,
         dashboard_port=_port(endpoints, api.DASHBOARD_PORT_NAME, api.DASHBOARD_PORT),
         control_port=_port(endpoints, api.CONTROL_PORT_NAME, control_port),
         state=state,
         message=status.get("reason") or "; ".join(false_msgs),
+        created=parse_time(meta.get("creationTimestamp")),
     )

@@ -29,6 +29,9 @@ Failure handling, in DESIGN order:
    (``restartBackoffSeconds * 2**(failures-1)``, capped at 600 s) on the same RayCluster.
 3. The head is lost (head pod gone, the Ray job unknown to the head, the dashboard unreachable for longer than
    ``unreachable_grace``): wait for KubeRay's new head (or recreate a deleted RayCluster), resubmit with resume.
+   Never two attempts at once: the next attempt is submitted only with evidence that the previous one ended (its Ray
+   job ended or is unknown to a reachable dashboard, or the head pod / RayCluster is newer than the attempt);
+   otherwise the previous one is asked to stop, and after ``unreachable_grace`` the RayCluster is recreated.
 4. Every resubmission counts against ``maxRestarts``; past it the job is Failed (RestartLimitExceeded).
    No step progress for ``progressDeadlineSeconds`` counts as hung: checkpoint if possible, then restart.
 """
@@ -376,6 +379,14 @@ class _Builder:
         rec = self.get("recovery")
         return rec.model_copy() if rec is not None else RecoveryInfo(reason="Unknown", detected_at=self.now_s())
 
+    def attempt_total(self) -> int:
+        """Steps the current attempt's trainer runs to: its ``/status`` ``totalSteps`` when it answers, else the total
+        recorded in status (set when the attempt was submitted, kept from the trainer's answers); 0 when unknown."""
+        t = self.o.trainer
+        if t.reachable and t.total_steps is not None and t.attempt in (None, 0, self.st.attempt):
+            return t.total_steps
+        return self.st.total_steps or 0
+
     def reported_step(self) -> int:
         """Latest completed step: the trainer's answer when it has one, else the last recorded one."""
         t = self.o.trainer
@@ -391,6 +402,7 @@ class _Builder:
         sid = api.submission_id(self.job.name, self.job.uid, attempt)
         self.set(
             attempt=attempt,
+            total_steps=self.spec.algorithm.steps,  # what this attempt's config (EnsureChildren below) runs to
             submission_id=sid,
             submission_confirmed=False,
             attempt_start_time=self.now_s(),
@@ -470,9 +482,11 @@ class _Builder:
         adapter = self.o.trainer.adapter_path if self.o.trainer.reachable and self.o.trainer.adapter_path else (
             self.st.adapter_path or api.adapter_export_path(self.spec.checkpoint.path, self.job.namespace,
                                                             self.job.name))
-        # The Ray job succeeded: the trainer's entrypoint exited 0, which it does only after the last step.
+        # The Ray job succeeded: the trainer's entrypoint exited 0, which it does only after the last step of the
+        # config it was started with: the total it reported (or the attempt was submitted with), never the spec's
+        # steps now (an edit after the start does not reach a running trainer).
         self.set(completion_time=self.now_s(), adapter_path=adapter, recovery=None, unreachable_since=None,
-                 current_step=max(self.st.current_step, self.spec.algorithm.steps))
+                 current_step=max(self.st.current_step, self.reported_step(), self.attempt_total()))
         if self.o.cluster.exists and not self.o.cluster.deleting:
             self.act(DeleteCluster())
         self.to(Phase.SUCCEEDED, Reason.SUCCEEDED, f"training finished; adapter exported to {adapter}")
@@ -679,7 +693,7 @@ def _finished(b: _Builder, checkpoint_step: int | None = None) -> bool:
     known = [b.st.current_step, checkpoint_step or 0, b.st.latest_checkpoint.step if b.st.latest_checkpoint else 0]
     if b.o.trainer.reachable and b.o.trainer.step is not None:
         known.append(b.o.trainer.step)
-    return max(known) >= b.spec.algorithm.steps
+    return max(known) >= (b.attempt_total() or b.spec.algorithm.steps)
 
 
 def _record_checkpoint(b: _Builder, step: int) -> str:
@@ -703,8 +717,9 @@ def _recovering(b: _Builder) -> Plan:
         return b.succeed()  # the last step completed while we were stopping it
     if j.state.active:
         b.act(StopJob(st.submission_id or ""))  # idempotent; repeated after an operator restart
-        if rec.stop_requested_at is None:
-            rec.stop_requested_at = b.now_s()
+        if rec.stop_requested_at is None or rec.unconfirmed_since is not None:
+            rec.stop_requested_at = rec.stop_requested_at or b.now_s()
+            rec.unconfirmed_since = None  # the dashboard answered: the grace for an unanswering one starts over
             b.set(recovery=rec)
         return b.requeue()
     if rec.reason == Reason.SUSPEND.value or b.spec.suspend:
@@ -729,7 +744,47 @@ def _recovering(b: _Builder) -> Plan:
         return b.requeue()
     if c.deleting or not _cluster_usable(b):
         return b.requeue()
+    if not _previous_attempt_ended(b):
+        return _await_previous_attempt(b)
     return b.submit_next(after_failure=True)
+
+
+def _previous_attempt_ended(b: _Builder) -> bool:
+    """Positive evidence that the Ray job of the attempt in status (the one to be replaced) no longer runs: a
+    reachable dashboard reports it ended or does not know it (a new head), or the head pod or the RayCluster was
+    created after the attempt started (a new Ray cluster). An unanswering dashboard proves nothing: the old trainer
+    may still be stepping and writing the same checkpoint directory."""
+    st, o = b.st, b.o
+    if not st.submission_id:
+        return True
+    if o.ray_job.state.ended or o.ray_job.state == RayJobState.NOT_FOUND:
+        return True
+    started = parse_time(st.attempt_start_time)
+    return started is not None and any(t is not None and t > started
+                                       for t in (o.health.head_created, o.cluster.created))
+
+
+def _await_previous_attempt(b: _Builder) -> Plan:
+    """No evidence that the previous attempt ended: ask Ray to stop it and wait; once that has lasted
+    ``unreachable_grace`` seconds (counted from the first such look, ``unconfirmed_since``, not from an earlier stop
+    request: one dashboard timeout after a slow stop is no reason to re-provision), delete the RayCluster (a new one
+    cannot run the old Ray job) and recreate it."""
+    st = b.st
+    rec = b.recovery()
+    if rec.stop_requested_at is None or rec.unconfirmed_since is None:
+        rec.stop_requested_at = rec.stop_requested_at or b.now_s()
+        rec.unconfirmed_since = rec.unconfirmed_since or b.now_s()
+        b.set(recovery=rec)
+    waited = b.seconds_since(rec.unconfirmed_since) or 0.0
+    if waited > b.timing.unreachable_grace:
+        b.act(DeleteCluster())
+        b.event("RecreatingCluster", f"cannot confirm that attempt {st.attempt} ({st.submission_id}) ended "
+                f"{waited:.0f} s after asking it to stop (Ray job {b.o.ray_job.state.value}: {b.o.ray_job.message}); "
+                f"deleting RayCluster {api.raycluster_name(b.job.name)} so that no two attempts run at once",
+                EventType.WARNING)
+        return b.requeue()
+    b.act(StopJob(st.submission_id or ""))
+    return b.requeue()
 
 
 def _suspended(b: _Builder) -> Plan:

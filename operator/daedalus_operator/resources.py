@@ -2,11 +2,12 @@
 
 - :func:`build_raycluster` - the KubeRay RayCluster (ray.io/v1): head group without GPUs and ``num-cpus: "0"`` (the
   trainer's driver and HTTP endpoint live there, no Ray tasks), worker groups with ``nvidia.com/gpu`` and
-  ``vpc.amazonaws.com/efa``, an in-memory ``/dev/shm``, the shared PVC, node affinity on HyperPod-``Schedulable``
-  nodes, the instance type, tolerations.
+  ``vpc.amazonaws.com/efa``, an in-memory ``/dev/shm``, the shared PVC, node affinity to unlabelled or
+  HyperPod-Schedulable nodes, the instance type, tolerations.
 - :func:`build_config_map` - the resolved trainer config (the whole job manifest with every default) that the trainer
   reads with ``--config``.
-- :func:`build_secret` - the trainer control token (random, created once; reconcile never rotates it).
+- :func:`build_secret` - the trainer control token (random, created once; reconcile never rotates it), given to the
+  head container as ``$DAEDALUS_CONTROL_TOKEN`` by ``env.valueFrom.secretKeyRef``.
 - :func:`build_network_policy` - only the operator may reach the dashboard (8265) and the control port (9400); the
   job's own pods talk to each other freely (Ray GCS, object manager, NCCL).
 - :func:`build_rayservice` - Ray Serve LLM (vLLM engine) serving the base model from the shared volume with the
@@ -25,6 +26,7 @@ azure:// URI).
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import posixpath
 import secrets
@@ -112,7 +114,9 @@ def new_token() -> str:
 
 def build_secret(job: JobView, token: str | None = None) -> dict[str, Any]:
     """Secret ``<job>-control`` with key ``token`` (base64 in ``data``). ``token`` defaults to :func:`new_token`;
-    reconcile creates it once and never updates it (rotation = delete the Secret, the next attempt gets a new one)."""
+    reconcile creates it once and never updates it. The head container reads it at start (``env.valueFrom``), so a
+    rotation (delete the Secret) reaches the trainer with the next RayCluster (suspend and resume, or a recreated
+    cluster), which also makes the operator create a new Secret."""
     token = token or new_token()
     return {
         "apiVersion": "v1",
@@ -157,22 +161,35 @@ def build_network_policy(job: JobView, settings: OperatorSettings) -> dict[str, 
                      for ns in settings.metrics_namespaces],
             "ports": [{"protocol": "TCP", "port": settings.control_port}],
         })
+    spec = {"podSelector": {"matchLabels": {api.JOB_LABEL: job.name}}, "policyTypes": ["Ingress"], "ingress": ingress}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(job, api.network_policy_name(job.name), "network-policy"),
-        "spec": {"podSelector": {"matchLabels": {api.JOB_LABEL: job.name}}, "policyTypes": ["Ingress"],
-                 "ingress": ingress},
+        "metadata": _meta(job, api.network_policy_name(job.name), "network-policy",
+                          annotations={api.SPEC_DIGEST_ANNOTATION: spec_digest(spec)}),
+        "spec": spec,
     }
+
+
+def spec_digest(spec: dict[str, Any]) -> str:
+    """SHA-256 of a child's spec as the operator builds it (sorted JSON): what it wrote, whatever the server adds."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------ RayCluster
 def _affinity(hyperpod: bool) -> dict[str, Any] | None:
+    """Required node affinity that admits exactly the nodes :func:`daedalus_operator.nodes.node_schedulable` judges
+    schedulable: two ORed node selector terms, ``sagemaker.amazonaws.com/node-health-status DoesNotExist`` (a node
+    outside HyperPod's management, e.g. plain EKS) or ``... In [Schedulable]``. A node HyperPod took out of service,
+    or one with any other value, is never chosen (``NotIn`` the known bad values would admit an unknown or empty
+    value that the operator then judges bad, deleting the pods the scheduler keeps placing there)."""
     if not hyperpod:
         return None
-    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
-        "matchExpressions": [{"key": api.HYPERPOD_HEALTH_LABEL, "operator": "In",
-                              "values": [api.NodeHealthStatus.SCHEDULABLE.value]}]}]}}}
+    key = api.HYPERPOD_HEALTH_LABEL
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": key, "operator": "DoesNotExist"}]},
+        {"matchExpressions": [{"key": key, "operator": "In", "values": [api.NodeHealthStatus.SCHEDULABLE.value]}]},
+    ]}}}
 
 
 def _tolerations(group: WorkerGroupSpec) -> list[dict[str, Any]]:
@@ -187,13 +204,19 @@ def _shared_volume(spec: RLTrainingJobSpec) -> tuple[list[dict], list[dict]]:
             [{"name": "shared", "mountPath": shared_mount_path(spec)}])
 
 
-def _env(job: JobView, settings: OperatorSettings) -> list[dict[str, Any]]:
-    return [
+def _env(job: JobView, settings: OperatorSettings, *, head: bool = False) -> list[dict[str, Any]]:
+    """Environment of the Ray containers; the head's also carries the control token from the job's Secret (the Ray
+    job's entrypoint runs on the head and inherits it). An environment variable rather than a Secret volume: the
+    kubelet writes Secret files owned by root, unreadable to the trainer image's uid 10001 at mode 0400."""
+    env: list[dict[str, Any]] = [
         {"name": api.ENV_JOB, "value": job.name},
         {"name": api.ENV_NAMESPACE, "value": job.namespace},
-        {"name": api.ENV_TOKEN_FILE, "value": settings.token_path},
         {"name": api.ENV_PORT, "value": str(settings.control_port)},
     ]
+    if head:
+        env.append({"name": api.ENV_TOKEN, "valueFrom": {"secretKeyRef": {
+            "name": api.secret_name(job.name), "key": api.TOKEN_KEY}}})
+    return env
 
 
 def _pod_meta(job: JobView) -> dict[str, Any]:
@@ -203,14 +226,8 @@ def _pod_meta(job: JobView) -> dict[str, Any]:
 def _head_template(job: JobView, settings: OperatorSettings) -> dict[str, Any]:
     spec = _spec(job)
     volumes, mounts = _shared_volume(spec)
-    volumes = volumes + [
-        {"name": "config", "configMap": {"name": api.config_map_name(job.name)}},
-        {"name": "control-token", "secret": {"secretName": api.secret_name(job.name), "defaultMode": 0o400}},
-    ]
-    mounts = mounts + [
-        {"name": "config", "mountPath": settings.config_dir, "readOnly": True},
-        {"name": "control-token", "mountPath": settings.token_dir, "readOnly": True},
-    ]
+    volumes = volumes + [{"name": "config", "configMap": {"name": api.config_map_name(job.name)}}]
+    mounts = mounts + [{"name": "config", "mountPath": settings.config_dir, "readOnly": True}]
     resources = {"cpu": spec.cluster.head.cpu, "memory": spec.cluster.head.memory}
     container = {
         "name": "ray-head",
@@ -224,7 +241,7 @@ def _head_template(job: JobView, settings: OperatorSettings) -> dict[str, Any]:
             {"name": "metrics", "containerPort": api.RAY_METRICS_PORT, "protocol": "TCP"},
             {"name": api.CONTROL_PORT_NAME, "containerPort": settings.control_port, "protocol": "TCP"},
         ],
-        "env": _env(job, settings),
+        "env": _env(job, settings, head=True),
         "volumeMounts": mounts,
     }
     pod: dict[str, Any] = {"containers": [container], "volumes": volumes}

@@ -1,9 +1,9 @@
 """Operator-wide settings (command-line flags of ``daedalus operator``), passed to the builders and handlers.
 
 Production defaults match the Helm chart: the operator runs in namespace ``daedalus-system`` with pod label
-``app.kubernetes.io/name: daedalus``, the trainer serves on port 9400, config and token are mounted at
-``/etc/daedalus`` and ``/var/run/secrets/daedalus``. Tests change the paths and ports (a shared machine: fixed ports
-collide) without changing any code path.
+``app.kubernetes.io/name: daedalus``, the trainer serves on port 9400, the config is mounted at ``/etc/daedalus``
+(the control token reaches the head container as an environment variable from the job's Secret). Tests change the
+paths and ports (a shared machine: fixed ports collide) without changing any code path.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class OperatorSettings:
         operator_pod_labels: labels of the operator's pods (NetworkPolicy source).
         metrics_namespaces: namespaces (e.g. ``monitoring``) whose pods may also scrape the trainer's port.
         control_port: the trainer's metrics/control port on the head (9400).
-        config_dir / token_dir: mount paths of the ConfigMap and of the control Secret in the Ray pods.
+        config_dir: mount path of the ConfigMap in the Ray pods.
         entrypoint: the Ray job entrypoint; ``{config}`` becomes ``<config_dir>/config.json``.
         poll_interval: seconds between looks at an active job (Ray job status, trainer /status, nodes).
         unreachable_grace: seconds an unanswering dashboard is tolerated before the head counts as lost.
@@ -44,7 +44,6 @@ class OperatorSettings:
     metrics_namespaces: tuple[str, ...] = ()
     control_port: int = api.CONTROL_PORT
     config_dir: str = api.CONFIG_DIR
-    token_dir: str = api.TOKEN_DIR
     entrypoint: str = api.ENTRYPOINT
     poll_interval: float = 2.0
     unreachable_grace: float = 60.0
@@ -59,11 +58,6 @@ class OperatorSettings:
     def config_path(self) -> str:
         """``<config_dir>/config.json``."""
         return f"{self.config_dir.rstrip('/')}/{api.CONFIG_KEY}"
-
-    @property
-    def token_path(self) -> str:
-        """``<token_dir>/token``."""
-        return f"{self.token_dir.rstrip('/')}/{api.TOKEN_KEY}"
 
     def render_entrypoint(self) -> str:
         """The Ray job entrypoint with the config path filled in."""

@@ -39,8 +39,10 @@ _PHASE_MESSAGES = {
 }
 
 
-def _desired(st: RLTrainingJobStatus, phase: Phase, error: str | None) -> dict[ConditionType, tuple[str, str, str]]:
-    """(status, reason, message) per condition type."""
+def _desired(st: RLTrainingJobStatus, phase: Phase, error: str | None,
+             detail: str = "") -> dict[ConditionType, tuple[str, str, str]]:
+    """(status, reason, message) per condition type; ``detail`` (what KubeRay and the scheduler say) is appended to
+    the Provisioning messages."""
     rec = st.recovery
     fail = st.last_failure
     step = f"step {st.current_step}/{st.total_steps or '?'}"
@@ -54,13 +56,15 @@ def _desired(st: RLTrainingJobStatus, phase: Phase, error: str | None) -> dict[C
                  f"attempt {st.attempt} resubmitted after {rec.reason}; waiting for the first new step")
     else:
         ready = ("False", phase.value, _PHASE_MESSAGES.get(phase, phase.value))
+    if phase == Phase.PROVISIONING and detail:
+        ready = (ready[0], ready[1], f"{ready[2]}: {detail}"[:1024])
     if phase == Phase.FAILED and fail is not None:
         ready = ("False", fail.reason or Reason.JOB_FAILED.value, fail.message)
 
     if error:
         reconciling = ("True", Reason.API_ERROR.value, error[:1024])
     elif phase in (Phase.PENDING, Phase.PROVISIONING, Phase.CHECKPOINTING, Phase.RECOVERING):
-        msg = _PHASE_MESSAGES[phase]
+        msg = ready[2] if phase == Phase.PROVISIONING else _PHASE_MESSAGES[phase]
         if rec is not None and phase in (Phase.CHECKPOINTING, Phase.RECOVERING):
             msg = f"{rec.reason}: {rec.message}"[:1024]
         reconciling = ("True", phase.value, msg)
@@ -91,11 +95,11 @@ def _desired(st: RLTrainingJobStatus, phase: Phase, error: str | None) -> dict[C
 
 
 def conditions(old: list[Condition], st: RLTrainingJobStatus, phase: Phase, generation: int, now: dt.datetime,
-               error: str | None = None) -> list[Condition]:
+               error: str | None = None, detail: str = "") -> list[Condition]:
     """Every condition, in :data:`CONDITION_ORDER`; ``lastTransitionTime`` kept from ``old`` unless the status flips."""
     before = {c.type: c for c in old}
     out = []
-    for ctype, (status, reason, message) in _desired(st, phase, error).items():
+    for ctype, (status, reason, message) in _desired(st, phase, error, detail).items():
         prev = before.get(ctype.value)
         ltt = prev.last_transition_time if prev is not None and prev.status == status and prev.last_transition_time \
             else format_time(now)
@@ -160,12 +164,20 @@ def compute_status(
         sph = _steps_per_hour(st, now)
         if sph is not None:
             st.metrics = (st.metrics or JobMetrics()).model_copy(update={"steps_per_hour": sph})
-    if job.spec is not None:
-        st.total_steps = job.spec.algorithm.steps
+    if t.reachable and t.attempt in (None, 0, st.attempt) and t.total_steps is not None and plan.phase in (
+            Phase.RUNNING, Phase.CHECKPOINTING):
+        st.total_steps = t.total_steps  # what the running trainer was configured with
+    elif job.spec is not None and (st.total_steps is None or st.attempt == 0):
+        st.total_steps = job.spec.algorithm.steps  # before the first attempt; later, submit_next records it
     cluster = observed.cluster
     st.dashboard_url = cluster.dashboard_url if cluster.exists and not cluster.deleting else None
     st.observed_generation = job.generation
-    st.conditions = conditions(st.conditions, st, plan.phase, job.generation, now, error)
+    detail = ""
+    if plan.phase == Phase.PROVISIONING:
+        said = ([f"RayCluster: {cluster.message}"] if cluster.exists and cluster.message else []) + list(
+            observed.health.unscheduled[:2])
+        detail = "; ".join(said)
+    st.conditions = conditions(st.conditions, st, plan.phase, job.generation, now, error, detail)
     return st.model_dump(by_alias=True, mode="json", exclude_none=True)
 
 

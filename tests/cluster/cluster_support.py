@@ -56,7 +56,7 @@ from controlplane import ControlPlane, crd_for_1_20  # noqa: E402
 from fake_kuberay import FakeKubeRay, wait_for  # noqa: E402
 from jobs import set_spec_fields  # noqa: E402
 from kmock_api import ApiError, KubeClient  # noqa: E402
-from operator_env import stop_operator_thread  # noqa: E402
+from operator_env import stop_operator_thread, with_pod_env  # noqa: E402
 from kuberay import KUBERAY_CRDS  # noqa: E402
 from ray_head import free_port  # noqa: E402
 
@@ -396,8 +396,8 @@ class ChartOperator:
         """The test-only flags appended to the chart's arguments."""
         return ["--kubeconfig", str(self.release.kubeconfig), f"--liveness=http://127.0.0.1:{self.liveness_port}/healthz",
                 f"--metrics-port={self.metrics_port}", f"--poll-interval={self.poll}",
-                f"--control-port={self.control_port}", f"--entrypoint={self.entrypoint}",
-                f"--config-dir={self.volumes / 'etc-daedalus'}", f"--token-dir={self.volumes / 'control-token'}",
+                f"--control-port={self.control_port}", f"--entrypoint={with_pod_env(self.entrypoint, self.volumes)}",
+                f"--config-dir={self.volumes / 'etc-daedalus'}",
                 "--request-timeout=3", "--unreachable-grace=30",
                 *(["--verbose"] if os.environ.get("DAEDALUS_TEST_VERBOSE") else []), *self.extra_args]
 

@@ -11,6 +11,7 @@ import json
 import logging
 import subprocess
 
+import kopf
 import pytest
 import yaml
 from cluster_support import (
@@ -52,7 +53,7 @@ OPERATOR_CALLS = [
     # handlers.register: kopf indexes of pods, nodes, RayClusters and RayServices.
     *[(verb, group, resource, "") for verb in ("list", "watch")
       for group, resource in (("", "pods"), ("", "nodes"), ("ray.io", "rayclusters"), ("ray.io", "rayservices"))],
-    # handlers.reconcile: fresh GET of the job, the status write; the liveness probe lists jobs.
+    # handlers.reconcile: fresh GET of the job, the status write (the liveness probe reads /version only).
     ("get", "daedalus.dev", "rltrainingjobs", ""),
     ("patch", "daedalus.dev", "rltrainingjobs", "status"),
     # handlers.ensure_children / execute: the children, the token read-back, the ConfigMap update.
@@ -62,6 +63,9 @@ OPERATOR_CALLS = [
     ("get", "", "configmaps", ""),
     ("patch", "", "configmaps", ""),
     ("get", "", "secrets", ""),
+    # handlers.ensure_network_policy: an existing policy's digest is read and, when outdated, patched.
+    ("get", "networking.k8s.io", "networkpolicies", ""),
+    ("patch", "networking.k8s.io", "networkpolicies", ""),
     # execute(DeleteCluster), execute(DeletePods): recovery deletes the cluster or the pods on replaced nodes.
     ("delete", "ray.io", "rayclusters", ""),
     ("delete", "", "pods", ""),
@@ -78,6 +82,11 @@ NOT_GRANTED = [
     ("patch", "", "nodes", ""),
     ("create", "rbac.authorization.k8s.io", "clusterrolebindings", ""),
     ("patch", "ray.io", "rayclusters", "status"),
+    # Secrets and ConfigMaps are read by name only: no listing or watching other workloads' credentials.
+    *[(verb, "", resource, "") for verb in ("list", "watch") for resource in ("secrets", "configmaps")],
+    ("patch", "", "secrets", ""),
+    *[(verb, "", "services", "") for verb in ("get", "list", "watch", "create", "patch", "delete")],
+    ("list", "networking.k8s.io", "networkpolicies", ""),
 ]
 
 
@@ -165,6 +174,42 @@ def test_a_verb_removed_from_the_cluster_role_is_reported_as_a_403_condition(
         with control_plane.api_client() as api_client:
             client.CoreV1Api(api_client).delete_namespace(name)
     assert admin.get("rbac.authorization.k8s.io/v1/clusterroles", None, name) is None  # restored
+
+
+def test_a_namespaced_operator_with_no_jobs_stays_live(helm_binary, control_plane, namespace, tmp_path):
+    """``operator.watchNamespaces``: the chart grants the jobs only in the watched namespace (a Role), so any
+    cluster-wide call about them is 403. The liveness check, run with that release's ServiceAccount and no job to
+    reconcile for longer than ``--liveness-stale``, must still pass: the API server answers, so a restart would not
+    help (before, a cluster-wide list of jobs made it fail forever and the pod restart-looped)."""
+    from daedalus_operator import kube
+    from daedalus_operator.handlers import Runtime, liveness
+    from daedalus_operator.metrics import OperatorMetrics
+
+    name = "daedalus-namespaced"
+    rel = helm_install(helm_binary, control_plane, chart_for_1_20(tmp_path / "chart"), release=name, namespace=name,
+                       values={"operator": {"watchNamespaces": [namespace]}})
+    try:
+        assert f"--namespace={namespace}" in rel.args and "--all-namespaces" not in rel.args
+        with control_plane.api_client(rel.kubeconfig) as sa:
+            assert may(sa, "list", "daedalus.dev", "rltrainingjobs", "", namespace)
+            assert not may(sa, "list", "daedalus.dev", "rltrainingjobs", "", None)
+        settings = OperatorSettings(kubeconfig=str(rel.kubeconfig), liveness_stale=1.0)
+        rt = Runtime(settings=settings, metrics=OperatorMetrics(),
+                     kube=kube.KubeAPI(kube.api_client_from_environment(str(rel.kubeconfig))))
+        rt.last_api_ok -= 600  # nothing answered for ten minutes: no job, so no reconcile refreshed it
+        assert liveness(rt) == "ok"
+        # and a server that does not answer at all still fails it
+        nowhere = client.Configuration()
+        nowhere.host = "https://127.0.0.1:1"  # nothing listens on port 1
+        rt_down = Runtime(settings=settings, metrics=OperatorMetrics(),
+                          kube=kube.KubeAPI(client.ApiClient(nowhere), timeout=2))
+        rt_down.last_api_ok -= 600
+        with pytest.raises(kopf.PermanentError):
+            liveness(rt_down)
+    finally:
+        helm(helm_binary, control_plane, "uninstall", name, "--namespace", name)
+        with control_plane.api_client() as api_client:
+            client.CoreV1Api(api_client).delete_namespace(name)
 
 
 def test_the_pod_monitor_scrapes_a_port_the_operator_gives_the_ray_head(helm_binary):

@@ -91,6 +91,18 @@ def test_head_missing_or_replaced_is_head_lost() -> None:
     assert h.head_lost
 
 
+def test_head_created_is_the_newest_live_head_even_without_an_attempt() -> None:
+    """Recovering plans with ``since=None``; the head's creation time still tells a new Ray cluster from the old."""
+    new = SINCE + dt.timedelta(seconds=5)
+    h = node_health([pod("h1", "a", "head", deleting=True, created=new + dt.timedelta(seconds=9)),
+                     pod("h2", "a", "head", created=new), pod("w1", "b", created=new + dt.timedelta(seconds=30))],
+                    NODES, hyperpod=True, since=None)
+    assert h.head_created == new
+    assert node_health([pod("w1", "b")], NODES, hyperpod=True).head_created is None
+    body = {"metadata": {"name": "c", "namespace": "n", "creationTimestamp": format_time(new)}}
+    assert read_cluster(body).created == new
+
+
 def test_no_attempt_no_loss_checks() -> None:
     h = node_health([pod("h", "a", "head", phase="Pending", ready=False)], NODES, hyperpod=True, since=None,
                     expected_pods=2)
@@ -124,6 +136,14 @@ def test_read_cluster() -> None:
     assert c.exists and not c.ready and "HeadPodReady: pending" in c.message
     deleting = dict(body, metadata=dict(body["metadata"], deletionTimestamp="2026-01-01T00:00:00Z"))
     assert read_cluster(deleting).deleting and not read_cluster(deleting).ready
+    # What KubeRay publishes after the head pod is lost: `state` stays "ready" (until suspend) and the service IP
+    # stays; only HeadPodReady turns False. The head does not answer: not ready (a Submit there would be lost).
+    head_lost = {"metadata": {"name": "j-ray", "namespace": "ml"}, "status": {
+        "state": "ready", "head": {"serviceIP": "10.1.2.3", "serviceName": "j-ray-head-svc"},
+        "conditions": [{"type": "HeadPodReady", "status": "False", "reason": "HeadPodNotFound"},
+                       {"type": "RayClusterProvisioned", "status": "True"}]}}
+    c = read_cluster(head_lost)
+    assert c.exists and not c.ready and c.head_host == "10.1.2.3" and "HeadPodReady: HeadPodNotFound" in c.message
 
 
 def test_names_respect_limits() -> None:
@@ -134,9 +154,14 @@ def test_names_respect_limits() -> None:
         assert len(fn(long)) == 63 and api.is_dns_label(fn(long))
     assert api.raycluster_name("local-tiny") == "local-tiny-ray"
     assert api.raycluster_name(long) != api.raycluster_name("a" * 62 + "b")
-    assert api.raycluster_name(long) == api.raycluster_name(long)  # deterministic across restarts
-    assert api.fit_name("x-" * 40, 20).endswith(api.fit_name("x-" * 40, 20)[-8:]) and "--" not in api.fit_name(
-        "x-" * 40, 20)
+    # deterministic across operator restarts (another process must find the same RayCluster): the suffix is the
+    # name's SHA-256, computed here independently, not a per-process salted hash()
+    import hashlib
+
+    assert api.raycluster_name(long) == "a" * 44 + "-" + hashlib.sha256(("a" * 63 + "-ray").encode()).hexdigest()[:8]
+    x = "x-" * 40
+    assert api.fit_name(x, 20) == "x-x-x-x-x-x" + "-" + hashlib.sha256(x.encode()).hexdigest()[:8]
+    assert "--" not in api.fit_name(x, 20)
     with pytest.raises(ValueError):
         api.fit_name("abc", 5)
 

@@ -162,8 +162,12 @@ def test_lost_head_is_replaced_and_the_job_resumes_on_the_new_head(env: Operator
         lost_at = time.time()
         old_pod = env.fake.lose_head("ml", "local-tiny-ray", dashboard_port=new_head.dashboard_port,
                                      down_seconds=3.0)
-        wait_for(lambda: not (env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray")["status"] or {})
-                 .get("head"), timeout=10, message="KubeRay to withdraw the lost head's address")
+        def head_pod_down() -> bool:  # as KubeRay: state stays "ready", the service IP stays, the pod's IP goes
+            status = env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray")["status"] or {}
+            conds = {c["type"]: c["status"] for c in status.get("conditions") or []}
+            return conds.get("HeadPodReady") == "False" and not (status.get("head") or {}).get("podIP")
+
+        wait_for(head_pod_down, timeout=10, message="KubeRay to report the head pod not ready")
         os.kill(pid, signal.SIGKILL)  # the Ray job dies with its head
         st = env.wait_status(lambda s: s.get("phase") == "Recovering", timeout=30, message="Recovering")
         assert st["lastFailure"]["reason"] == "HeadLost" and "head pod" in st["lastFailure"]["message"], st

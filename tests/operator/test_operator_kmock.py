@@ -83,8 +83,13 @@ def test_children_owner_refs_token_metrics_liveness(env: OperatorEnv) -> None:
     text = env.metrics_text()
     assert 'daedalus_operator_job_phase{job="local-tiny",namespace="ml",phase="Provisioning"} 1.0' in text
     assert 'daedalus_operator_jobs{phase="Provisioning"} 1.0' in text
-    assert 'daedalus_operator_reconciles_total{result="requeue"}' in text
-    assert "daedalus_operator_reconcile_seconds_count" in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+              for fam in text_string_to_metric_families(text) for smp in fam.samples}
+    requeues = values[("daedalus_operator_reconciles_total", (("result", "requeue"),))]
+    assert requeues >= 5  # the polls of the 2 s steady window (every 0.3 s) alone
+    assert values[("daedalus_operator_reconcile_seconds_count", ())] >= requeues
     with urllib.request.urlopen(f"http://127.0.0.1:{env.liveness_port}/healthz", timeout=10) as r:
         assert r.status == 200 and json.loads(r.read())["api"] == "ok"
 
@@ -197,3 +202,113 @@ def test_each_child_is_created_once(env: OperatorEnv) -> None:
     assert {k: v for k, v in creates.items() if k != "events"} == {
         "configmaps": 1, "secrets": 1, "networkpolicies": 1, "rayclusters": 1}, creates
     assert env.status()["phase"] == "Provisioning"
+
+
+def test_hyperpod_job_schedules_on_plain_eks_nodes_and_says_why_while_it_cannot(tmp_path: Path) -> None:
+    """``resilience.hyperPod: true`` (the default) on a cluster whose nodes carry no HyperPod label (plain EKS): the
+    Ray pods must schedule there. While no node fits, the Provisioning condition repeats the scheduler's reason
+    instead of waiting silently; a node HyperPod marked Unschedulable is never used."""
+    e = OperatorEnv(tmp_path, None, poll=0.3)
+    e.start()
+    try:
+        e.fake.add_node("retired", health="Unschedulable")
+        e.apply(e.job_manifest(resilience__hyperPod=True))
+
+        def reconciling(st: dict) -> str:
+            return {c["type"]: c for c in st.get("conditions") or []}.get("Reconciling", {}).get("message", "")
+
+        st = e.wait_status(lambda s: "0 nodes are available" in reconciling(s), timeout=30,
+                           message="the scheduler's reason in the Reconciling condition")
+        assert st["phase"] == "Provisioning", st
+        assert "Unschedulable" in reconciling(st)
+        e.fake.add_node("plain-eks", health=None)  # no sagemaker.amazonaws.com/node-health-status label
+        e.wait_status(lambda s: s.get("phase") not in ("Pending", "Provisioning"), timeout=30,
+                      message="the job to leave Provisioning")
+        pods = e.kube.list("v1/pods", "ml")
+        assert pods and {p["spec"].get("nodeName") for p in pods} == {"plain-eks"}
+    finally:
+        e.stop()
+
+
+def test_a_network_policy_from_other_operator_settings_is_brought_up_to_date(tmp_path: Path) -> None:
+    """The job's NetworkPolicy exists from an operator that ran without ``--metrics-namespace`` (and an older
+    operator that wrote no digest); the operator now runs with ``--metrics-namespace monitoring`` (new chart values):
+    it patches the policy so Prometheus may scrape port 9400, and leaves an up-to-date policy alone."""
+    from daedalus_operator import resources
+    from daedalus_operator.handlers import job_view
+    from daedalus_operator.settings import OperatorSettings
+
+    e = OperatorEnv(tmp_path, None, poll=0.3, extra_args=("--metrics-namespace", "monitoring"))
+    e.start(operator=False, fake_kuberay=False)
+    try:
+        job = e.apply(e.job_manifest())
+        old = resources.build_network_policy(job_view(job), OperatorSettings(control_port=e.control_port))
+        del old["metadata"]["annotations"]
+        e.kube.create("networking.k8s.io/v1/networkpolicies", "ml", old)
+        e.start_operator()
+
+        def scraped(np: dict | None) -> dict | None:
+            peers = [p for rule in ((np or {}).get("spec") or {}).get("ingress") or [] for p in rule.get("from", [])]
+            ok = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}} in peers
+            return np if ok else None
+
+        np = wait_for(lambda: scraped(e.kube.get("networking.k8s.io/v1/networkpolicies", "ml", "local-tiny-ray")),
+                      timeout=30, message="the NetworkPolicy to admit the monitoring namespace")
+        digest = np["metadata"]["annotations"][api.SPEC_DIGEST_ANNOTATION]
+        assert digest == resources.spec_digest(np["spec"])
+        # Again for a job past its first EnsureChildren (its RayCluster exists, so no EnsureChildren is planned):
+        # the old policy is back when a new operator process starts; it is patched at its first reconcile.
+        e.stop_operator()
+        e.kube.patch("networking.k8s.io/v1/networkpolicies", "ml", "local-tiny-ray",
+                     {"metadata": {"annotations": None}, "spec": old["spec"]})
+        assert scraped(e.kube.get("networking.k8s.io/v1/networkpolicies", "ml", "local-tiny-ray")) is None
+        assert e.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray") is not None
+        e.start_operator()
+        np = wait_for(lambda: scraped(e.kube.get("networking.k8s.io/v1/networkpolicies", "ml", "local-tiny-ray")),
+                      timeout=30, message="the NetworkPolicy of a live job to admit the monitoring namespace")
+        rv = np["metadata"]["resourceVersion"]
+        e.stop_operator()
+        e.start_operator()  # a new process: the create is answered 409, the digest matches, no patch
+        time.sleep(2.0)  # several reconciles at poll 0.3 s
+        again = e.kube.get("networking.k8s.io/v1/networkpolicies", "ml", "local-tiny-ray")
+        assert again["metadata"]["resourceVersion"] == rv
+    finally:
+        e.stop()
+
+
+def test_a_new_control_secret_replaces_the_token_the_operator_cached(tmp_path: Path) -> None:
+    """Token rotation as documented: the Secret is deleted, the RayCluster goes (suspend) and the children are ensured
+    again. The new head starts with the new Secret's token, so the operator's next checkpoint request must carry that
+    one, not the token it cached for the first cluster (a 401 there cost the checkpoint before a stop)."""
+    from daedalus_operator import handlers as h
+    from daedalus_operator import kube, resources
+    from daedalus_operator.handlers import Runtime, job_view
+    from daedalus_operator.metrics import OperatorMetrics
+    from daedalus_operator.settings import OperatorSettings
+
+    e = OperatorEnv(tmp_path, None, poll=0.3)
+    e.start(operator=False, fake_kuberay=False)
+    try:
+        job = job_view(e.apply(e.job_manifest()))
+        rt = Runtime(settings=OperatorSettings(control_port=e.control_port), metrics=OperatorMetrics(),
+                     kube=kube.KubeAPI(kube.api_client_from_environment(str(e.kubeconfig))))
+        secret = lambda: e.kube.get("v1/secrets", "ml", api.secret_name(job.name))  # noqa: E731
+        h.ensure_children(rt, job)
+        first = resources.secret_token(secret())
+        assert h._token(rt, job) == first
+        e.kube.delete("v1/secrets", "ml", api.secret_name(job.name))
+        made = rt.children(job.uid)
+        made.note_cluster(True)
+        made.note_cluster(False)  # seen, then gone: every child is ensured again
+        h.ensure_children(rt, job)
+        second = resources.secret_token(secret())
+        assert second != first and h._token(rt, job) == second
+        # a Secret that exists already (409) and may have been replaced behind this process: read it again
+        e.kube.delete("v1/secrets", "ml", api.secret_name(job.name))
+        e.kube.create("v1/secrets", "ml", resources.build_secret(job, token="by-hand"))
+        made.note_cluster(True)
+        made.note_cluster(False)
+        h.ensure_children(rt, job)
+        assert h._token(rt, job) == "by-hand"
+    finally:
+        e.stop()

@@ -445,3 +445,132 @@ def test_trainer_observation_from_status_document() -> None:
                                           "successRatio": 0.5, "attempt": 2, "extra": 1})
     assert (t.step, t.total_steps, t.checkpoint_step, t.success_ratio, t.attempt) == (7, 40, 5, 0.5, 2)
     assert p.TrainerObservation.from_status({"latestCheckpoint": None}).checkpoint_step is None
+
+
+# ------------------------------------------------------------------------------------------------ one attempt at a time
+def _walk(status: dict, seconds: float, observed: p.Observed) -> tuple[dict, p.Plan]:
+    """Plan at ``NOW + seconds`` and write the status as the handler would."""
+    j = job(status)
+    now = NOW + dt.timedelta(seconds=seconds)
+    result = p.plan(j, observed, now)
+    return compute_status(status, observed, result, None, job=j, now=now), result
+
+
+def _kinds(result: p.Plan) -> list[tuple[str, str]]:
+    return [(type(a).__name__, getattr(a, "submission_id", "")[-2:]) for a in result.actions]
+
+
+def test_an_unanswering_dashboard_never_leads_to_a_second_attempt_beside_the_first() -> None:
+    """The dashboard stops answering (a busy head) while attempt 1 keeps training: HeadLost after the grace, then no
+    attempt 2 until there is evidence that attempt 1 ended. Asked to stop; still unconfirmed after the grace, the
+    RayCluster is deleted and recreated; the new cluster's head cannot run attempt 1, so attempt 2 goes there."""
+    unreachable = obs(state=p.RayJobState.UNREACHABLE, message="timeout")
+    st = running_status()
+    st, r = _walk(st, 0, unreachable)
+    st, r = _walk(st, 61, unreachable)
+    assert r.phase == Phase.RECOVERING and [e.reason for e in r.events] == ["HeadLost"]
+    submitted = []
+    for t in range(62, 140, 2):  # the backoff passes; the dashboard still does not answer
+        st, r = _walk(st, t, unreachable)
+        submitted += [a for a in r.actions if isinstance(a, p.Submit)]
+        if any(isinstance(a, p.DeleteCluster) for a in r.actions):
+            break
+    assert submitted == [], "attempt 2 submitted while attempt 1 may still run"
+    assert st["attempt"] == 1 and st["phase"] == "Recovering"
+    assert [e.reason for e in r.events] == ["RecreatingCluster"] and r.events[0].type.value == "Warning"
+    st, r = _walk(st, t + 2, obs(cluster=GONE, state=p.RayJobState.UNREACHABLE))
+    assert _kinds(r) == [("EnsureChildren", "")]
+    fresh = dataclasses.replace(READY, created=NOW + dt.timedelta(seconds=t + 3))
+    st, r = _walk(st, t + 20, obs(cluster=fresh, state=p.RayJobState.UNREACHABLE))  # its dashboard not up yet
+    assert ("Submit", "a2") in _kinds(r) and st["attempt"] == 2
+
+
+def test_a_reachable_dashboard_still_running_the_old_attempt_is_stopped_first() -> None:
+    """After HeadLost the dashboard answers again and attempt 1 is still RUNNING there: stop it, wait for STOPPED,
+    then submit attempt 2 (never both)."""
+    st = running_status(phase="Recovering", unreachableSince=None,
+                        recovery={"reason": "HeadLost", "detectedAt": ago(100), "stepAtDetection": 12})
+    st, r = _walk(st, 0, obs(state=p.RayJobState.RUNNING))
+    assert _kinds(r) == [("StopJob", "a1")] and st["attempt"] == 1
+    st, r = _walk(st, 2, obs(state=p.RayJobState.UNREACHABLE))
+    assert _kinds(r) == [("StopJob", "a1")] and st["attempt"] == 1
+    st, r = _walk(st, 4, obs(state=p.RayJobState.STOPPED))
+    assert ("Submit", "a2") in _kinds(r) and st["attempt"] == 2
+
+
+def test_the_grace_before_recreating_counts_from_the_first_unanswered_look_not_an_earlier_stop() -> None:
+    """The Ray job was asked to stop 120 s ago (a slow checkpoint-and-stop) and the dashboard now times out once:
+    that alone must not delete a healthy RayCluster; only the grace from this first unanswered look does."""
+    st = running_status(phase="Recovering", unreachableSince=None,
+                        recovery={"reason": "NodeReboot", "detectedAt": ago(130), "stopRequestedAt": ago(120),
+                                  "stepAtDetection": 12})
+    unreachable = obs(state=p.RayJobState.UNREACHABLE, message="timeout")
+    st, r = _walk(st, 0, unreachable)
+    assert _kinds(r) == [("StopJob", "a1")]
+    st, r = _walk(st, 30, unreachable)
+    assert _kinds(r) == [("StopJob", "a1")]
+    st, r = _walk(st, 62, unreachable)
+    assert ("DeleteCluster", "") in _kinds(r) and [e.reason for e in r.events] == ["RecreatingCluster"]
+
+
+@pytest.mark.parametrize("evidence", ["new head pod", "head does not know the job", "job failed"])
+def test_recovery_resubmits_at_once_with_evidence_that_the_old_attempt_ended(evidence: str) -> None:
+    """The fast paths stay fast: a head pod created after the attempt started, a reachable head that does not know the
+    submission (NOT_FOUND), or an ended Ray job let attempt 2 go in the same plan."""
+    st = running_status(phase="Recovering",
+                        recovery={"reason": "HeadLost", "detectedAt": ago(10), "stepAtDetection": 12})
+    o = {"new head pod": obs(state=p.RayJobState.UNREACHABLE,
+                             health=dataclasses.replace(HEALTHY, head_created=NOW - dt.timedelta(seconds=5))),
+         "head does not know the job": obs(state=p.RayJobState.NOT_FOUND),
+         "job failed": obs(state=p.RayJobState.FAILED)}[evidence]
+    st, r = _walk(st, 0, o)
+    assert ("Submit", "a2") in _kinds(r) and st["attempt"] == 2
+
+
+def test_success_reports_the_steps_the_trainer_ran_not_a_later_spec_edit() -> None:
+    """``algorithm.steps`` raised from 40 to 96 while attempt 1 (submitted with 40, which its trainer reported) runs:
+    the Ray job exits 0 after step 40. Status says 40 of 40 were done, never 96 (the trainer never ran them); on a
+    server without CEL nothing else stops such an edit."""
+    st = running_status(currentStep=38, totalSteps=40)
+    j = job(st, algorithm__steps=96)
+    o = obs(state=p.RayJobState.SUCCEEDED)
+    r = p.plan(j, o, NOW)
+    assert r.phase == Phase.SUCCEEDED and r.status["current_step"] == 40
+    new = compute_status(st, o, r, None, job=j, now=NOW)
+    assert (new["currentStep"], new["totalSteps"]) == (40, 40)
+    # the trainer's own totalSteps wins while it answers
+    running = compute_status(running_status(totalSteps=40), obs(t=trainer(13)), p.plan(
+        job(running_status(totalSteps=40), algorithm__steps=96), obs(t=trainer(13)), NOW), None,
+        job=job(running_status(totalSteps=40), algorithm__steps=96), now=NOW)
+    assert (running["currentStep"], running["totalSteps"]) == (13, 40)
+    # a new attempt records what it is submitted with
+    rec = running_status(phase="Recovering", totalSteps=40, recovery={"reason": "JobFailed", "detectedAt": ago(60),
+                                                                      "stepAtDetection": 12})
+    r = p.plan(job(rec, algorithm__steps=96), obs(state=p.RayJobState.FAILED), NOW)
+    assert any(isinstance(a, p.Submit) for a in r.actions) and r.status["total_steps"] == 96
+
+
+def test_argocd_health_of_statuses_the_operator_computes() -> None:
+    """The chart's Argo CD health check (charts/daedalus/files/argocd-health.lua, run by lupa) over statuses this
+    planner and status module actually write, not hand-made fixtures: each phase maps to the Argo CD status the
+    chart promises (README "Argo CD")."""
+    from argocd import health
+
+    def argo(status: dict) -> str:
+        return health({"metadata": {"generation": status.get("observedGeneration", 1)}, "status": status})[0]
+
+    def fresh(j: p.JobView, o: p.Observed) -> dict:
+        return compute_status({}, o, p.plan(j, o, NOW), None, job=j, now=NOW)
+
+    running, _ = _walk(running_status(), 0, obs(t=trainer(13)))
+    provisioning = fresh(job(), obs(NOT_READY, p.RayJobState.NOT_FOUND))
+    unreachable = obs(state=p.RayJobState.UNREACHABLE, message="timeout")
+    recovering, _ = _walk(running_status(), 0, unreachable)
+    recovering, _ = _walk(recovering, 61, unreachable)
+    done = running_status(currentStep=38, totalSteps=40)
+    o = obs(state=p.RayJobState.SUCCEEDED)
+    succeeded = compute_status(done, o, p.plan(job(done), o, NOW), None, job=job(done), now=NOW)
+    failed = fresh(job(environment__size=8), obs(GONE, p.RayJobState.NOT_FOUND))
+    got = {s["phase"]: argo(s) for s in (running, provisioning, recovering, succeeded, failed)}
+    assert got == {"Running": "Healthy", "Provisioning": "Progressing", "Recovering": "Progressing",
+                   "Succeeded": "Healthy", "Failed": "Degraded"}

@@ -145,11 +145,13 @@ def test_raycluster_hyperpod_shape() -> None:
     ports = {p["name"]: p["containerPort"] for p in hc["ports"]}
     assert ports["trainer-metrics"] == 9400 and ports["dashboard"] == 8265
     mounts = {m["name"]: m["mountPath"] for m in hc["volumeMounts"]}
-    assert mounts == {"shared": "/fsx", "config": "/etc/daedalus", "control-token": "/var/run/secrets/daedalus"}
-    env = {e["name"]: e["value"] for e in hc["env"]}
-    assert env["DAEDALUS_CONTROL_TOKEN_FILE"] == "/var/run/secrets/daedalus/token"
+    assert mounts == {"shared": "/fsx", "config": "/etc/daedalus"}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in hc["env"]}
+    assert env["DAEDALUS_CONTROL_TOKEN"] == {"secretKeyRef": {"name": "maze-qwen3vl-8b-control", "key": "token"}}
+    assert "DAEDALUS_CONTROL_TOKEN_FILE" not in env
     assert head["template"]["metadata"]["labels"] == {api.JOB_LABEL: "maze-qwen3vl-8b"}
     affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "sagemaker.amazonaws.com/node-health-status", "operator": "DoesNotExist"}]},
         {"matchExpressions": [{"key": "sagemaker.amazonaws.com/node-health-status", "operator": "In",
                                "values": ["Schedulable"]}]}]}}}
     assert hpod["affinity"] == affinity
@@ -272,3 +274,129 @@ def test_builders_refuse_an_invalid_spec() -> None:
                   status=RLTrainingJobStatus(), spec_errors=(("spec.x", "bad"),))
     with pytest.raises(ValueError, match="invalid spec"):
         r.build_raycluster(bad, SETTINGS)
+
+
+# ------------------------------------------------------------------------------------------------ the control token
+TRAINER_USER = re.search(r"^USER (\d+):(\d+)", (ROOT / "Dockerfile.trainer").read_text(), re.M)
+
+
+def _kubelet_start(pod: dict, container: dict, objects: dict[tuple[str, str], dict], root: Path) -> dict[str, str]:
+    """Materialise ``container`` of ``pod`` as a kubelet does, under ``root``: Secret and ConfigMap volumes become files
+    owned by root:root with the volume's ``defaultMode`` (0644 when unset; with ``securityContext.fsGroup`` the group
+    is the fsGroup and group-read is added), mounted at ``root/<mountPath>``; ``env`` with ``valueFrom`` resolved from
+    ``objects`` (``(kind, name) -> body``). Returns the container's environment (paths under a mount rewritten to
+    ``root``)."""
+    import os
+
+    fs_group = (pod.get("securityContext") or {}).get("fsGroup")
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    mounts = {}
+    for m in container.get("volumeMounts", []):
+        vol = volumes[m["name"]]
+        if "secret" in vol:
+            src, files = vol["secret"], {k: base64.b64decode(v) for k, v in
+                                         objects[("Secret", vol["secret"]["secretName"])]["data"].items()}
+        elif "configMap" in vol:
+            src, files = vol["configMap"], {k: v.encode() for k, v in
+                                            objects[("ConfigMap", vol["configMap"]["name"])]["data"].items()}
+        else:
+            continue
+        target = root / m["mountPath"].lstrip("/")
+        target.mkdir(parents=True, exist_ok=True)
+        for d in [target, *target.parents]:
+            if d == root.parent:
+                break
+            d.chmod(0o755)
+        mode = src.get("defaultMode", 0o644)
+        for key, data in files.items():
+            f = target / key
+            f.write_bytes(data)
+            os.chown(f, 0, fs_group if fs_group is not None else 0)
+            f.chmod(mode | (0o040 if fs_group is not None else 0))
+        mounts[m["mountPath"]] = str(target)
+    env = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            value = e["value"]
+            for path, local in mounts.items():
+                if value.startswith(path.rstrip("/") + "/"):
+                    value = local + value[len(path.rstrip("/")):]
+            env[e["name"]] = value
+        else:
+            ref = e["valueFrom"].get("secretKeyRef")
+            assert ref, f"only secretKeyRef is emulated: {e}"
+            env[e["name"]] = base64.b64decode(objects[("Secret", ref["name"])]["data"][ref["key"]]).decode()
+    return env
+
+
+def _as_user(uid: int, gid: int, env: dict[str, str], cwd: Path) -> str | None:
+    """``load_control_token(env)`` in a forked child that dropped to ``uid:gid`` (no supplementary groups, so no
+    capability overrides file modes); its answer comes back through a pipe."""
+    import os
+
+    from daedalus_trainer.server import load_control_token
+
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(rfd)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            os.chdir(cwd)
+            os.write(wfd, json.dumps(load_control_token(env)).encode())
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    with os.fdopen(rfd, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() != 0,
+                    reason="needs root to play the kubelet (root-owned files) and to run as the trainer's uid")
+def test_the_trainer_process_can_read_the_control_token_as_the_image_user(tmp_path) -> None:
+    """The head container as a kubelet would start it (files owned by root with the volume's mode, env resolved from
+    the Secret), then the real ``load_control_token`` in a process running as the trainer image's ``USER`` (10001,
+    no fsGroup in the pod): it must get the job's token, or every POST /checkpoint and /stop answers 503."""
+    import tempfile
+
+    assert TRAINER_USER, "Dockerfile.trainer has no numeric USER uid:gid"
+    uid, gid = int(TRAINER_USER.group(1)), int(TRAINER_USER.group(2))
+    job = view(HYPERPOD)
+    secret = r.build_secret(job, token="tok-123")
+    cm = r.build_config_map(job)
+    hpod = r.build_raycluster(job, SETTINGS)["spec"]["headGroupSpec"]["template"]["spec"]
+    root = Path(tempfile.mkdtemp(prefix="kubelet-", dir="/tmp"))
+    try:
+        root.chmod(0o755)
+        env = _kubelet_start(hpod, hpod["containers"][0],
+                             {("Secret", secret["metadata"]["name"]): secret,
+                              ("ConfigMap", cm["metadata"]["name"]): cm}, root)
+        assert _as_user(uid, gid, env, root) == "tok-123"
+    finally:
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ node affinity
+@pytest.mark.parametrize("health", [None, *[v.value for v in api.NodeHealthStatus], "Unknown", ""])
+def test_ray_pods_may_go_exactly_where_the_operator_judges_a_node_schedulable(health: str | None) -> None:
+    """The RayCluster's required node affinity (judged by the test scheduler's matchExpressions, Kubernetes
+    semantics: terms ORed, expressions ANDed) agrees with ``nodes.node_schedulable`` for every HyperPod health value,
+    a value HyperPod may add later (or an empty one) and a node without the label (plain EKS): a Ray pod must neither
+    wait forever on a node the operator considers fine nor land on one it would move it off."""
+    from fake_kuberay import fits, node_body
+
+    from daedalus_operator.nodes import node_schedulable
+
+    node = node_body("n1", health=health)
+    rc = r.build_raycluster(view(HYPERPOD), SETTINGS)
+    pods = [rc["spec"]["headGroupSpec"]["template"]["spec"]] + [
+        g["template"]["spec"] for g in rc["spec"]["workerGroupSpecs"]]
+    for spec in pods:
+        spec = {**spec, "nodeSelector": None, "tolerations": None}  # only the affinity is under test here
+        assert fits(spec, node) == node_schedulable(node, hyperpod=True), (health, spec.get("affinity"))
+    assert fits(pods[0], node) == (health in (None, "Schedulable"))

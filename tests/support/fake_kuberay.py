@@ -14,7 +14,11 @@ Every ``interval`` seconds, for each RayCluster:
   nowhere stay Pending (``PodScheduled=False``, Unschedulable).
 - **kubelet / node lifecycle**: marks bound pods Running and Ready; a pod on a NotReady node becomes not Ready; a
   pod whose Node was deleted is deleted (pod GC). ConfigMap and Secret volumes of head pods are written to their
-  ``mountPath`` when it lies under ``volume_root`` (so the trainer on the local head reads its config and token).
+  ``mountPath`` when it lies under ``volume_root`` (so the trainer on the local head reads its config), and the head
+  container's environment, ``valueFrom.secretKeyRef`` resolved from the Secret (the control token), to
+  ``<volume_root>/pod-env/<namespace>/<job>.json``: the shared local Ray head cannot take a per-pod environment, so
+  the test entrypoints start through ``pod_env.py``, which adds it to the Ray job's environment as a container's
+  environment underlies the Ray job's own ``env_vars``.
 
 Node objects are made by :func:`node_body` / :meth:`FakeKubeRay.add_node`; tests flip the HyperPod label with
 :meth:`FakeKubeRay.set_node_health` and lose a cluster's head with :meth:`FakeKubeRay.lose_head` (the head pod goes,
@@ -26,6 +30,7 @@ from __future__ import annotations
 import base64
 import copy
 import datetime as dt
+import json
 import logging
 import random
 import string
@@ -305,6 +310,7 @@ class FakeKubeRay:
             if pod["metadata"]["labels"].get("ray.io/node-type") != "head" or not pod["spec"].get("nodeName"):
                 continue
             volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+            self._container_env(pod)
             for container in pod["spec"].get("containers", []):
                 for mount in container.get("volumeMounts", []):
                     target = Path(mount["mountPath"]).resolve()
@@ -325,6 +331,31 @@ class FakeKubeRay:
                             tmp = target / f".{key}.tmp"
                             tmp.write_bytes(data)
                             tmp.replace(path)
+
+    def _container_env(self, pod: dict) -> None:
+        """Write the head container's environment (``value`` and ``valueFrom.secretKeyRef``) for ``pod_env.py``; an
+        unresolvable reference leaves the variable out (a real kubelet would not start the container)."""
+        job = pod["metadata"]["labels"].get("daedalus.dev/job")
+        containers = pod["spec"].get("containers") or []
+        if not job or not containers:
+            return
+        env: dict[str, str] = {}
+        for e in containers[0].get("env") or []:
+            if "value" in e:
+                env[e["name"]] = e["value"]
+            elif ((e.get("valueFrom") or {}).get("secretKeyRef")):
+                ref = e["valueFrom"]["secretKeyRef"]
+                sec = self.kube.get(SECRETS, pod["metadata"]["namespace"], ref["name"]) or {}
+                data = (sec.get("data") or {}).get(ref["key"])
+                if data is not None:
+                    env[e["name"]] = base64.b64decode(data).decode()
+        target = self.volume_root / "pod-env" / pod["metadata"]["namespace"] / f"{job}.json"
+        text = json.dumps(env, sort_keys=True)
+        if not target.exists() or target.read_text() != text:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.replace(target)
 
     def _write_status(self, cluster: dict, pods: list[dict]) -> None:
         ns, cname = cluster["metadata"]["namespace"], cluster["metadata"]["name"]
@@ -353,8 +384,11 @@ class FakeKubeRay:
         head_container = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
         endpoints = {p["name"]: str(p["containerPort"]) for p in head_container.get("ports", []) if p.get("name")}
         endpoints["dashboard"] = str(self.dashboard_port)
+        # As KubeRay (v1.7 calculateStatus / updateHeadInfo): `state` turns "ready" once every pod is ready and stays
+        # so until suspend, whatever happens to the head later; the head's serviceIP stays, only its podIP and
+        # podName go with the pod; HeadPodReady follows the head pod.
         status: dict[str, Any] = {
-            "state": "ready" if all_ready else "",
+            "state": "ready" if (all_ready or old.get("state") == "ready") else "",
             "conditions": [cond("HeadPodReady", head_ready, "HeadPodRunningAndReady", "HeadPodNotReady"),
                            cond("RayClusterProvisioned", provisioned, "AllPodRunningAndReadyFirstTime",
                                 "RayClusterPodsProvisioning")],
@@ -368,6 +402,10 @@ class FakeKubeRay:
             head = next(p for p in heads if is_ready(p))
             status["head"] = {"podIP": self.head_host, "serviceIP": self.head_host, "podName": head["metadata"]["name"],
                               "serviceName": f"{cname}-head-svc"}
+        elif (old.get("head") or {}).get("serviceIP"):
+            status["head"] = {"serviceIP": old["head"]["serviceIP"], "serviceName": old["head"].get("serviceName")}
+            if {"podIP", "podName"} & set(old["head"]):  # a merge patch keeps keys it does not set to null
+                status["head"].update(podIP=None, podName=None)
         if {k: v for k, v in old.items() if k != "lastUpdateTime"} != status:
             try:
                 self.kube.patch(RAYCLUSTERS, ns, cname, {"status": dict(status, head=status.get("head"),

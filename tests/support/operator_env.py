@@ -42,6 +42,12 @@ STANDIN_TRAINER = (f"env DAEDALUS_STANDIN_STEP_SECONDS={{step}} {sys.executable}
 REAL_TRAINER = f"{sys.executable} -m daedalus_trainer train --config {{config}} --resume latest"
 
 
+def with_pod_env(entrypoint: str, volumes: Path) -> str:
+    """``entrypoint`` behind ``pod_env.py``: the Ray job gets the head container's environment (the control token from
+    the job's Secret) that the fake kubelet wrote under ``volumes/pod-env``, as on a cluster."""
+    return f"{sys.executable} {SUPPORT / 'pod_env.py'} {volumes / 'pod-env'} -- {entrypoint}"
+
+
 def stop_operator_thread(stop_flag: Any, thread: threading.Thread | None, timeout: float) -> None:
     """Set kopf's stop flag (if any) and join the operator thread (if any).
 
@@ -112,8 +118,8 @@ class OperatorEnv:
         return ["--all-namespaces", "--standalone", "--kubeconfig", str(self.kubeconfig),
                 "--poll-interval", str(self.poll), "--control-port", str(self.control_port),
                 "--metrics-port", str(self.metrics_port), "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
-                "--entrypoint", self.entrypoint, "--config-dir", str(self.volumes / "etc-daedalus"),
-                "--token-dir", str(self.volumes / "control-token"), "--request-timeout", "3",
+                "--entrypoint", with_pod_env(self.entrypoint, self.volumes),
+                "--config-dir", str(self.volumes / "etc-daedalus"), "--request-timeout", "3",
                 "--unreachable-grace", "30",
                 *(["--verbose"] if os.environ.get("DAEDALUS_TEST_VERBOSE") else []), *self.extra_args]
 
