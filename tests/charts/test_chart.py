@@ -18,7 +18,7 @@ import yaml
 
 from chartlib import CHART, REPO, Helm, by_kind, missing_tool, one
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
+import kubernetes_validate  # noqa: E402  (test extra)
 
 K8S_VERSIONS = ("1.29.0", "1.35.0")
 NAMESPACES = ["team-a", "team-b"]
@@ -48,13 +48,12 @@ NAMESPACED_RULES = {
     ("ray.io", "rayservices"): {"get", "list", "watch", "create", "patch", "update", "delete"},
     ("ray.io", "rayclusters/status"): {"get"},
     ("ray.io", "rayservices/status"): {"get"},
-    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "secrets"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "configmaps"): {"get", "create", "patch", "delete"},
+    ("", "secrets"): {"get", "create", "delete"},
     ("", "pods"): {"get", "list", "watch", "delete"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
-    ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
 }
 CLUSTER_RULES = {
     ("", "nodes"): {"get", "list", "watch"},
@@ -197,8 +196,6 @@ def test_every_namespaced_object_has_a_namespace(rendered: dict[str, list[dict[s
 
 def test_chart_crd_is_the_generated_crd(chart: Helm) -> None:
     source = REPO / "crds" / "rltrainingjob.yaml"
-    if not source.exists():
-        pytest.skip("crds/rltrainingjob.yaml not generated yet (`daedalus crd`, `make crds`)")
     copy = CHART / "crds" / "rltrainingjob.yaml"
     assert copy.exists(), "charts/daedalus/crds/rltrainingjob.yaml missing: run `make crds`"
     assert copy.read_bytes() == source.read_bytes(), "chart CRD differs from crds/rltrainingjob.yaml: run `make crds`"
@@ -275,7 +272,7 @@ def test_deployment_args_follow_values(rendered: dict[str, list[dict[str, Any]]]
 def test_deployment_args_parse_with_the_operator_cli(rendered: dict[str, list[dict[str, Any]]], variant: str) -> None:
     """The rendered command line is accepted by the operator's own argument parser and means what the values say;
     the pod labels it passes are the operator pod's, so each job's NetworkPolicy admits this operator."""
-    main = pytest.importorskip("daedalus_operator.main", reason="waiting for the operator CLI module")
+    from daedalus_operator import main
     dep = one(rendered[variant], "Deployment")
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["daedalus", "operator"]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from chartlib import CHART, REPO, Helm
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
+import kubernetes_validate  # noqa: E402  (test extra)
 
 DOCS = [REPO / "docs" / "deploy.md", CHART / "README.md"]
 
@@ -56,3 +56,30 @@ def test_documented_helm_commands_render(chart: Helm, path: Path) -> None:
                 sets += [word, value]
         proc = chart.run("template", "daedalus", str(CHART), "--namespace", "daedalus", *sets)
         assert proc.returncode == 0, f"{' '.join(words)}\n{proc.stderr}"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_an_example_said_to_apply_to_a_cluster_can_write_its_checkpoints_there(path: Path) -> None:
+    """The trainer image runs as a non-root uid: on a cluster, ``checkpoint.path`` must lie on the mounted
+    ``checkpoint.volume`` (the operator mounts it on every Ray pod). An example whose header says it can be applied
+    to a cluster either mounts such a volume or says that it needs ``checkpoint.volume`` first."""
+    from daedalus_trainer.config import RLTrainingJobStatus, parse_job
+
+    from daedalus_operator import resources
+    from daedalus_operator.plan import JobView
+    from daedalus_operator.settings import OperatorSettings
+
+    text = path.read_text()
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    if "kubectl apply" not in header:
+        return
+    doc = yaml.safe_load(text)
+    doc["metadata"].setdefault("namespace", "default")
+    spec = parse_job(doc).spec
+    job = JobView(name=doc["metadata"]["name"], namespace=doc["metadata"]["namespace"], uid="u", generation=1,
+                  spec=spec, status=RLTrainingJobStatus())
+    head = resources.build_raycluster(job, OperatorSettings())["spec"]["headGroupSpec"]["template"]["spec"]
+    mounts = [m["mountPath"] for m in head["containers"][0]["volumeMounts"] if m["name"] == "shared"]
+    on_volume = any(spec.checkpoint.path == m or spec.checkpoint.path.startswith(m.rstrip("/") + "/") for m in mounts)
+    assert on_volume or "needs `checkpoint.volume`" in " ".join(header.replace("#", " ").split()), (
+        f"{path.name} says it can be kubectl-applied, but {spec.checkpoint.path} is on no mounted volume")

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from chartlib import CHART, REPO
 
-dockerfile_parse = pytest.importorskip("dockerfile_parse")
+import dockerfile_parse  # noqa: E402  (test extra)
 from packaging.requirements import Requirement  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
@@ -158,3 +158,15 @@ def test_dockerignore_keeps_only_what_the_images_copy() -> None:
     assert copied == allowed, (copied, allowed)
     for path in copied:
         assert (REPO / path).exists(), path
+
+
+def test_images_copy_every_file_the_package_build_reads() -> None:
+    """`pip install .` in an image reads pyproject's readme and license-files: a missing COPY fails the build."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    needed = {"pyproject.toml", project["readme"], *project["license-files"]}
+    for name in ("Dockerfile.operator", "Dockerfile.trainer"):
+        copied = {w.rstrip("/") for value in instructions(parse(name), "COPY") for w in value.split()[:-1]
+                  if not w.startswith("--")}
+        assert needed <= copied, (name, needed - copied)

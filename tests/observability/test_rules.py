@@ -13,7 +13,8 @@ from obslib import (OPERATOR_METRICS, RULES, RULES_TEST, TRAINER_METRICS, Promet
                     metric_names, require_binary)
 
 REQUIRED_ALERTS = {
-    "DaedalusJobFailed", "DaedalusJobRestartingOften", "DaedalusJobNoProgress", "DaedalusCheckpointStale",
+    "DaedalusJobFailed", "DaedalusJobRestartingOften", "DaedalusJobNoProgress", "DaedalusJobStuck",
+    "DaedalusCheckpointStale",
     "DaedalusSuccessRatioDropping", "DaedalusOperatorDown", "DaedalusOperatorReconcileErrors",
 }
 RECORDING = "daedalus:train_steps_per_hour:deriv1h"

@@ -76,10 +76,15 @@ cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync 
 - apiGroups: ["ray.io"]
   resources: ["rayclusters/status", "rayservices/status"]
   verbs: ["get"]
-# Children: resolved trainer config, control-token Secret, services.
+# Children: the resolved trainer config (created, read back and patched when the spec changes, deleted by the
+# finalizer) and the control-token Secret (created once, its token read back, deleted by the finalizer). By name
+# only: no list or watch of other workloads' Secrets and ConfigMaps.
 - apiGroups: [""]
-  resources: ["configmaps", "secrets", "services"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "delete"]
 # The job's Ray pods, to map them onto nodes and notice lost heads/workers.
 # delete: move pods off nodes HyperPod is replacing (KubeRay recreates them on Schedulable nodes).
 - apiGroups: [""]
@@ -92,10 +97,11 @@ cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync 
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
-# NetworkPolicy admitting only the operator to the Ray dashboard and control ports.
+# NetworkPolicy admitting only the operator to the Ray dashboard and control ports (by name: created, read back and
+# patched when the operator's settings change it, deleted by the finalizer).
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end }}
 
 {{/* Cluster-scoped resources: needed in both modes. */}}
