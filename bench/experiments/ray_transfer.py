@@ -16,6 +16,7 @@ Run from the repository root:
 ``.venv/bin/python bench/experiments/ray_transfer.py``.
 """
 
+import argparse
 import statistics
 import time
 
@@ -81,4 +82,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()
