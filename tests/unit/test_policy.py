@@ -122,6 +122,28 @@ def test_processor_expands_images_and_marks_them(tiny_policy):
         tiny_policy.processor(text=["x"], videos=[np.zeros((2, 32, 32, 3), np.uint8)])
 
 
+def test_cached_image_encoding_equals_the_processor(tiny_policy):
+    # conversations of different lengths (left padding differs), 1-3 images each, pictures repeated within and
+    # across conversations and different pictures in between (cache order matters)
+    convs = [_conversation(1, seed=0), _conversation(3, seed=1), _conversation(2, seed=0), _conversation(1, seed=2)]
+    moved = _maze_image(3, agent=(1, 3))
+    convs.append((convs[0][0], [moved]))
+    messages = [m for m, _ in convs]
+    images = [list(i) for _, i in convs]
+    want = prompts.encode_prompts(tiny_policy.processor, messages, images)
+    for attempt in ("cold cache", "warm cache"):
+        got = tiny_policy.encode_prompts(messages, images)
+        assert sorted(got.keys()) == sorted(want.keys()), attempt
+        for key in want:
+            assert torch.equal(got[key], want[key]), (attempt, key)
+    # no images: the processor path as it is
+    text_only = [[{"role": "system", "content": "x"}, {"role": "user", "content": "hello"}]]
+    assert torch.equal(tiny_policy.encode_prompts(text_only, [[]])["input_ids"],
+                       prompts.encode_prompts(tiny_policy.processor, text_only, [[]])["input_ids"])
+    with pytest.raises(ValueError, match="2 conversations but 1 image lists"):
+        tiny_policy.encode_prompts(messages[:2], images[:1])
+
+
 # -------------------------------------------------------------------------------------------------------- LoRA
 def test_lora_targets_only_the_language_model(tiny_policy):
     tiny_policy.add_lora(LORA)
