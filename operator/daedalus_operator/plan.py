@@ -123,6 +123,12 @@ class TrainerObservation:
     attempt: int | None = None
     resumed_from: int | None = None
 
+    def answers_for(self, attempt: int) -> bool:
+        """The trainer answered and speaks for ``attempt``: its ``/status`` names that attempt, or names none (a
+        trainer started outside the operator, or one older than the ``attempt`` field). A previous attempt's trainer
+        still answering must not move this attempt's step, totals or checkpoint."""
+        return self.reachable and self.attempt in (None, 0, attempt)
+
     @classmethod
     def from_status(cls, doc: dict[str, Any]) -> "TrainerObservation":
         """Build from the JSON document of ``GET /status`` (unknown keys ignored, missing ones ``None``)."""
@@ -383,14 +389,14 @@ class _Builder:
         """Steps the current attempt's trainer runs to: its ``/status`` ``totalSteps`` when it answers, else the total
         recorded in status (set when the attempt was submitted, kept from the trainer's answers); 0 when unknown."""
         t = self.o.trainer
-        if t.reachable and t.total_steps is not None and t.attempt in (None, 0, self.st.attempt):
+        if t.answers_for(self.st.attempt) and t.total_steps is not None:
             return t.total_steps
         return self.st.total_steps or 0
 
     def reported_step(self) -> int:
         """Latest completed step: the trainer's answer when it has one, else the last recorded one."""
         t = self.o.trainer
-        if t.reachable and t.step is not None and t.attempt in (None, 0, self.st.attempt):
+        if t.answers_for(self.st.attempt) and t.step is not None:
             return t.step
         return self.st.current_step
 
@@ -504,10 +510,8 @@ class _Builder:
         """While the Ray job runs: progress time, and the end of a recovery (the new attempt stepped past the step it
         resumed from)."""
         t = self.o.trainer
-        if not t.reachable or t.step is None:
-            return
-        if t.attempt not in (None, 0) and t.attempt != self.st.attempt:
-            return  # a previous attempt's trainer answering (should not happen once stopped)
+        if not t.answers_for(self.st.attempt) or t.step is None:
+            return  # no answer, or a previous attempt's trainer answering (should not happen once stopped)
         if self.st.last_progress_time is None or t.step > self.st.current_step:
             self.set(last_progress_time=self.now_s())
         rec = self.st.recovery

@@ -146,7 +146,7 @@ def compute_status(
     st = st.model_copy(update=plan.status)
     st.phase = plan.phase
     t = observed.trainer
-    if t.reachable and t.attempt in (None, 0, st.attempt) and plan.phase in (Phase.RUNNING, Phase.CHECKPOINTING):
+    if t.answers_for(st.attempt) and plan.phase in (Phase.RUNNING, Phase.CHECKPOINTING):
         if t.step is not None:
             st.current_step = t.step
         if t.latest_checkpoint is not None and t.checkpoint_step is not None:
@@ -164,7 +164,7 @@ def compute_status(
         sph = _steps_per_hour(st, now)
         if sph is not None:
             st.metrics = (st.metrics or JobMetrics()).model_copy(update={"steps_per_hour": sph})
-    if t.reachable and t.attempt in (None, 0, st.attempt) and t.total_steps is not None and plan.phase in (
+    if t.answers_for(st.attempt) and t.total_steps is not None and plan.phase in (
             Phase.RUNNING, Phase.CHECKPOINTING):
         st.total_steps = t.total_steps  # what the running trainer was configured with
     elif job.spec is not None and (st.total_steps is None or st.attempt == 0):

@@ -390,6 +390,13 @@ def test_plan_table(row: Row) -> None:
         assert row.check(result), result
 
 
+def test_trainer_answers_only_for_its_own_attempt() -> None:
+    assert trainer(5, attempt=2).answers_for(2)
+    assert not trainer(5, attempt=1).answers_for(2)  # the previous attempt's trainer, still up
+    assert trainer(5, attempt=None).answers_for(2) and trainer(5, attempt=0).answers_for(2)  # names no attempt
+    assert not p.TrainerObservation(attempt=2).answers_for(2)  # did not answer
+
+
 def test_every_phase_has_rows() -> None:
     phases = {r.job.status.phase or Phase.PENDING for r in ROWS}
     assert phases == set(Phase)
