@@ -15,10 +15,12 @@ Figure (2026-12-01, shared 2-core machine about 2.5x slower per core than the on
 
     .venv/bin/python bench/experiments/rollout_profile.py runs/local-tiny/sft/model
 
-rollout 11-13 s and update 1.5-4 s per step (959-1071 turns). In the rollout, ``generate`` is 97%; its prefill
-5.3-6.1 s (encoding 64 prompts of ~171 tokens, 140 of them the shared system prompt), prompt encoding 3.0 s before
-the image cache (``Policy.encode_prompts``, 1.4 s of it the image processor) and 1.65 s after, trajectories identical.
-The forward over 64 prompts of 184 tokens: 0.64 s whole, 0.28 s with the 139-token prefix shared (2.3x).
+rollout 11-13 s and update 1.5-4 s per step (959-1071 turns). In the rollout (then on ``transformers.generate``),
+``generate`` is 97%; its prefill 5.3-6.1 s (encoding 64 prompts of ~171 tokens, 140 of them the shared system
+prompt), prompt encoding 3.0 s before the image cache (``Policy.encode_prompts``, 1.4 s of it the image processor)
+and 1.65 s after, trajectories identical.
+The forward over 64 prompts of 184 tokens: 0.64 s whole, 0.28 s with the 139-token prefix shared (2.3x); the
+rollout engine now shares it (`TransformersEngine._decode`), which halved the rollout of a whole GRPO run.
 
 Run from the repository root.
 """

@@ -273,6 +273,68 @@ def test_generate_logprobs_match_training_forward(tiny_policy, temperature):
     assert [g.token_ids for g in again] == [g.token_ids for g in gens]
 
 
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_decoding_matches_transformers_generate(tiny_policy, temperature, top_p):
+    """The engine's own decode loop (the prompts' common prefix encoded once, ``[prefix][pads][suffix]`` layout)
+    draws the tokens transformers' ``generate`` draws on the plain left-padded batch with the same seed, and reports
+    the log-probs of its raw logits (the reference decoding is the library's, not ours)."""
+    tiny_policy.add_lora(LORA)
+    _perturb_lora(tiny_policy, 0.05)
+    convs, imgs = (list(x) for x in zip(*[_conversation(h, seed=h) for h in (1, 2, 3, 1)]))
+    sampling = SamplingParams(temperature, top_p, 12, seed=3)
+
+    def stop_even_rows_early(module, inputs, output):  # rows that finish while others decode get pads after
+        output = output.clone()
+        output[0::2, ..., tiny_policy.im_end_id] += 6.0
+        return output
+
+    handle = tiny_policy.model.lm_head.register_forward_hook(stop_even_rows_early)
+    try:
+        _check_decoding_matches_generate(tiny_policy, convs, imgs, sampling)
+    finally:
+        handle.remove()
+
+
+def _check_decoding_matches_generate(tiny_policy, convs, imgs, sampling):
+    from transformers import GenerationConfig
+
+    from daedalus_trainer.policy import MIN_SHARED_PREFIX
+    from daedalus_trainer.rollout import engine as engine_mod
+
+    gens = TransformersEngine(tiny_policy).generate(convs, imgs, sampling)
+    assert engine_mod._common_prefix([g.prompt_ids for g in gens], tiny_policy.image_token_id) >= MIN_SHARED_PREFIX
+
+    enc = tiny_policy.encode_prompts(convs, imgs)
+    common = dict(max_new_tokens=12, eos_token_id=tiny_policy.stop_token_ids, pad_token_id=tiny_policy.pad_id,
+                  suppress_tokens=tiny_policy.suppressed_token_ids, return_dict_in_generate=True, output_logits=True)
+    config = (GenerationConfig(do_sample=False, **common) if sampling.greedy else
+              GenerationConfig(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0, **common))
+    tiny_policy.model.eval()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(sampling.seed)
+        res = tiny_policy.model.generate(**enc, generation_config=config)
+    width = enc["input_ids"].shape[1]
+    logits = torch.stack(res.logits, dim=1).float() / sampling.logprob_temperature  # [B, L, V]
+    for i, g in enumerate(gens):
+        row = res.sequences[i, width:].tolist()
+        end = next((j + 1 for j, t in enumerate(row) if t in tiny_policy.stop_token_ids), len(row))
+        assert g.token_ids == row[:end], i
+        assert g.prompt_ids == enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
+        want = torch.log_softmax(logits[i, :end], dim=-1).gather(-1, torch.tensor(row[:end])[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(g.logprobs), want, atol=1e-5), i
+    lengths = [len(g.token_ids) for g in gens]
+    assert max(lengths) == 12 and min(lengths) < 12, lengths  # rows that stopped early and rows cut at the limit
+
+
+def test_common_prefix_stops_before_images_and_leaves_each_row_a_token():
+    from daedalus_trainer.rollout.engine import _common_prefix
+
+    assert _common_prefix([[1, 2, 3, 4], [1, 2, 3, 5]], image_token_id=9) == 3
+    assert _common_prefix([[1, 2, 9, 4], [1, 2, 9, 4]], image_token_id=9) == 2  # no image token in the prefix
+    assert _common_prefix([[1, 2, 3], [1, 2, 3, 4]], image_token_id=9) == 2  # the shorter row keeps its last token
+    assert _common_prefix([[5, 2], [1, 2]], image_token_id=9) == 0
+
+
 def test_vision_tokens_are_never_generated(tiny_policy):
     """Even when the model strongly prefers <|image_pad|> & co, generation never emits them (a sampled image pad
     would break the next forward)."""
