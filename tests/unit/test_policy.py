@@ -128,6 +128,8 @@ def test_cached_image_encoding_equals_the_processor(tiny_policy):
     convs = [_conversation(1, seed=0), _conversation(3, seed=1), _conversation(2, seed=0), _conversation(1, seed=2)]
     moved = _maze_image(3, agent=(1, 3))
     convs.append((convs[0][0], [moved]))
+    wide = np.concatenate([_maze_image(4), _maze_image(5)], axis=1)  # 112 x 224 px: another grid, mid-batch
+    convs.insert(2, (convs[0][0], [wide]))
     messages = [m for m, _ in convs]
     images = [list(i) for _, i in convs]
     want = prompts.encode_prompts(tiny_policy.processor, messages, images)
@@ -140,8 +142,11 @@ def test_cached_image_encoding_equals_the_processor(tiny_policy):
     text_only = [[{"role": "system", "content": "x"}, {"role": "user", "content": "hello"}]]
     assert torch.equal(tiny_policy.encode_prompts(text_only, [[]])["input_ids"],
                        prompts.encode_prompts(tiny_policy.processor, text_only, [[]])["input_ids"])
+    assert len({tuple(g) for g in want["image_grid_thw"].tolist()}) == 2  # really two grid sizes
     with pytest.raises(ValueError, match="2 conversations but 1 image lists"):
         tiny_policy.encode_prompts(messages[:2], images[:1])
+    with pytest.raises(ValueError, match="conversation 1: 3 image placeholder"):
+        tiny_policy.encode_prompts(messages[:2], [images[0], images[1][:2]])
 
 
 # -------------------------------------------------------------------------------------------------------- LoRA
@@ -273,15 +278,32 @@ def test_generate_logprobs_match_training_forward(tiny_policy, temperature):
     assert [g.token_ids for g in again] == [g.token_ids for g in gens]
 
 
-@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
-def test_decoding_matches_transformers_generate(tiny_policy, temperature, top_p):
+def _text_only(feedback: str):
+    return [{"role": "system", "content": prompts.PromptSettings().system_prompt()},
+            {"role": "user", "content": feedback}], []
+
+
+DECODING_CASES = {
+    # name: (temperature, top_p, max_tokens, batch)
+    "greedy": (0.0, 1.0, 12, [_conversation(h, seed=h) for h in (1, 2, 3, 1)]),
+    "sampled": (0.7, 1.0, 12, [_conversation(h, seed=h) for h in (1, 2, 3, 1)]),
+    "top-p": (1.0, 0.8, 12, [_conversation(h, seed=h) for h in (1, 2, 3, 1)]),
+    "batch-of-one": (0.7, 1.0, 12, [_conversation(2, seed=5)]),
+    "no-images": (0.7, 1.0, 12, [_text_only("Moved up."), _text_only("Hit a wall moving left; you did not move.")]),
+    "one-token": (1.0, 0.8, 1, [_conversation(1, seed=1), _conversation(2, seed=2)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECODING_CASES))
+def test_decoding_matches_transformers_generate(tiny_policy, case):
     """The engine's own decode loop (the prompts' common prefix encoded once, ``[prefix][pads][suffix]`` layout)
     draws the tokens transformers' ``generate`` draws on the plain left-padded batch with the same seed, and reports
     the log-probs of its raw logits (the reference decoding is the library's, not ours)."""
+    temperature, top_p, max_tokens, batch = DECODING_CASES[case]
     tiny_policy.add_lora(LORA)
     _perturb_lora(tiny_policy, 0.05)
-    convs, imgs = (list(x) for x in zip(*[_conversation(h, seed=h) for h in (1, 2, 3, 1)]))
-    sampling = SamplingParams(temperature, top_p, 12, seed=3)
+    convs, imgs = [m for m, _ in batch], [list(i) for _, i in batch]
+    sampling = SamplingParams(temperature, top_p, max_tokens, seed=3)
 
     def stop_even_rows_early(module, inputs, output):  # rows that finish while others decode get pads after
         output = output.clone()
@@ -290,9 +312,14 @@ def test_decoding_matches_transformers_generate(tiny_policy, temperature, top_p)
 
     handle = tiny_policy.model.lm_head.register_forward_hook(stop_even_rows_early)
     try:
-        _check_decoding_matches_generate(tiny_policy, convs, imgs, sampling)
+        gens = _check_decoding_matches_generate(tiny_policy, convs, imgs, sampling)
     finally:
         handle.remove()
+    lengths = [len(g.token_ids) for g in gens]
+    if len(gens) > 1 and max_tokens > 1:
+        assert max(lengths) == max_tokens and min(lengths) < max_tokens, lengths  # stopped early / cut at the limit
+    else:
+        assert max(lengths) <= max_tokens
 
 
 def _check_decoding_matches_generate(tiny_policy, convs, imgs, sampling):
@@ -302,11 +329,14 @@ def _check_decoding_matches_generate(tiny_policy, convs, imgs, sampling):
     from daedalus_trainer.rollout import engine as engine_mod
 
     gens = TransformersEngine(tiny_policy).generate(convs, imgs, sampling)
-    assert engine_mod._common_prefix([g.prompt_ids for g in gens], tiny_policy.image_token_id) >= MIN_SHARED_PREFIX
+    if len(gens) > 1:  # the prefix is really shared
+        assert engine_mod._common_prefix([g.prompt_ids for g in gens], tiny_policy.image_token_id) >= MIN_SHARED_PREFIX
 
     enc = tiny_policy.encode_prompts(convs, imgs)
-    common = dict(max_new_tokens=12, eos_token_id=tiny_policy.stop_token_ids, pad_token_id=tiny_policy.pad_id,
-                  suppress_tokens=tiny_policy.suppressed_token_ids, return_dict_in_generate=True, output_logits=True)
+    # every field given: generate fills the others from the checkpoint's generation_config
+    common = dict(max_new_tokens=sampling.max_tokens, eos_token_id=tiny_policy.stop_token_ids,
+                  pad_token_id=tiny_policy.pad_id, suppress_tokens=tiny_policy.suppressed_token_ids,
+                  repetition_penalty=1.0, return_dict_in_generate=True, output_logits=True)
     config = (GenerationConfig(do_sample=False, **common) if sampling.greedy else
               GenerationConfig(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0, **common))
     tiny_policy.model.eval()
@@ -322,8 +352,7 @@ def _check_decoding_matches_generate(tiny_policy, convs, imgs, sampling):
         assert g.prompt_ids == enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
         want = torch.log_softmax(logits[i, :end], dim=-1).gather(-1, torch.tensor(row[:end])[:, None])[:, 0]
         assert torch.allclose(torch.tensor(g.logprobs), want, atol=1e-5), i
-    lengths = [len(g.token_ids) for g in gens]
-    assert max(lengths) == 12 and min(lengths) < 12, lengths  # rows that stopped early and rows cut at the limit
+    return gens
 
 
 def test_common_prefix_stops_before_images_and_leaves_each_row_a_token():

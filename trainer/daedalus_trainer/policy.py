@@ -315,7 +315,12 @@ class Policy:
     # -- batches ---------------------------------------------------------------------------------------------------
     def encode_prompts(self, conversations: Sequence[list[dict[str, Any]]], images: Sequence[Sequence[Any]]) -> Any:
         """:func:`daedalus_trainer.prompts.encode_prompts` with this policy's processor; the processed images are
-        remembered (see :meth:`process_images`), so collating the same turns later does not process them again."""
+        remembered (see :meth:`process_images`), so collating the same turns later does not process them again.
+
+        Raises:
+            ValueError: ``len(images) != len(conversations)``, or a conversation whose ``<|image_pad|>`` placeholders
+                do not match its number of images.
+        """
         from daedalus_trainer import prompts
 
         if len(images) != len(conversations):
@@ -330,12 +335,16 @@ class Policy:
         # below does not expand the already expanded pads; tests/unit/test_policy.py checks the result equals
         # prompts.encode_prompts tensor for tensor.
         pixel_values, grid = self.process_images(flat)
-        counts = iter(self.image_token_count(grid))
+        counts = self.image_token_count(grid)
         pad = self.processor.image_token
         texts = []
-        for messages in conversations:
+        k = 0
+        for i, (messages, imgs) in enumerate(zip(conversations, images)):
             parts = prompts.render(self.processor, messages).split(pad)
-            texts.append(parts[0] + "".join(pad * next(counts) + rest for rest in parts[1:]))
+            if len(parts) - 1 != len(imgs):
+                raise ValueError(f"conversation {i}: {len(parts) - 1} image placeholder(s) but {len(imgs)} image(s)")
+            texts.append(parts[0] + "".join(pad * counts[k + j] + rest for j, rest in enumerate(parts[1:])))
+            k += len(imgs)
         enc = self.processor(text=texts, padding=True, padding_side="left", return_tensors="pt")
         enc["pixel_values"] = pixel_values
         enc["image_grid_thw"] = grid

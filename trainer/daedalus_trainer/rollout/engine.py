@@ -103,8 +103,9 @@ class TransformersEngine:
         max_batch: conversations per forward batch (larger inputs are split).
 
     Decoding is a loop of its own rather than ``generate`` so that the system prompt, shared by every prompt of a
-    batch, is encoded once (:meth:`_decode`); it draws the tokens ``generate`` draws with the same seed
-    (tests/unit/test_policy.py checks this against ``generate``). ``<|image_pad|>`` and the other vision tokens are
+    batch, is encoded once (:meth:`_decode`); with the same seed it draws the tokens ``generate`` draws, up to float
+    rounding (the prefix runs at batch 1; in bf16 a near-tie may then flip a token; tests/unit/test_policy.py checks
+    float32 against ``generate``). ``<|image_pad|>`` and the other vision tokens are
     never sampled (a sampled image pad breaks the next forward: "Image features and image tokens do not match").
     """
 
@@ -177,10 +178,12 @@ class TransformersEngine:
         key/value cache repeated over the batch, as the learner does (:meth:`Policy._hidden_states`); the rest of
         each prompt is left-padded after it (``[prefix][pads][suffix]``). M-RoPE positions come from
         ``get_rope_index`` over the whole masked layout, so every token gets the position it has unpadded; a new
-        token's position is one past its row's largest (what ``generate`` derives from its rope deltas).
+        token's position is one past its row's largest (``generate`` extends ``position_ids`` by the last one + 1:
+        the same, the last prompt token being text).
         Sampling follows transformers' order (vision special tokens suppressed, then temperature, then top-p
         nucleus truncation, Holtzman et al. 2020, arXiv:1904.09751; then one ``torch.multinomial`` draw over the
-        batch), so given a seed the draws are those ``generate`` would make on the same probabilities. Measured in
+        batch), so given a seed the draws are those ``generate`` would make on the same probabilities (which
+        equal ours up to float rounding). Measured in
         ``bench/experiments/rollout_profile.py``: a forward over 64 maze prompts 0.48-0.64 s whole, 0.23-0.28 s
         with the prefix shared.
         """
