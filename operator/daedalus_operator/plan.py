@@ -458,7 +458,7 @@ class _Builder:
                              f"{reason.value}: {message} (restarts {self.st.restarts} >= maxRestarts "
                              f"{self.spec.resilience.max_restarts})")
         sid = self.st.submission_id or ""
-        if checkpoint and job_active and self.o.trainer.reachable:
+        if checkpoint and job_active and self.o.trainer.answers_for(self.st.attempt):
             rec.checkpoint_requested_at = self.now_s()
             rec.checkpoint_target_step = step
             self.set(recovery=rec)
@@ -485,7 +485,8 @@ class _Builder:
 
     def succeed(self) -> Plan:
         assert self.spec is not None
-        adapter = self.o.trainer.adapter_path if self.o.trainer.reachable and self.o.trainer.adapter_path else (
+        t = self.o.trainer
+        adapter = t.adapter_path if t.answers_for(self.st.attempt) and t.adapter_path else (
             self.st.adapter_path or api.adapter_export_path(self.spec.checkpoint.path, self.job.namespace,
                                                             self.job.name))
         # The Ray job succeeded: the trainer's entrypoint exited 0, which it does only after the last step of the
