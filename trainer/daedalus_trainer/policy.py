@@ -452,8 +452,6 @@ class Policy:
         when the prompt dominates the sequence. M-RoPE positions come from the whole sequence
         (``get_rope_index``), so they are those of the plain forward.
         """
-        from transformers import DynamicCache
-
         base = self.base_model
         vl = base.model
         kwargs: dict[str, Any] = {}
@@ -467,15 +465,31 @@ class Policy:
             return out.last_hidden_state, 0
         positions, _ = vl.get_rope_index(batch.input_ids, batch.mm_token_type_ids, batch.image_grid_thw,
                                          attention_mask=batch.attention_mask)  # [3, B, T]
-        cache = DynamicCache(config=vl.language_model.config)
-        vl.language_model(inputs_embeds=vl.get_input_embeddings()(batch.input_ids[:1, :p]),
-                          attention_mask=batch.attention_mask[:1, :p], position_ids=positions[:, :1, :p],
-                          past_key_values=cache, use_cache=True)
-        cache.batch_repeat_interleave(batch.input_ids.shape[0])
-        out = vl(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask,
-                 position_ids=positions[:, :, p:], past_key_values=cache, use_cache=True,
-                 mm_token_type_ids=batch.mm_token_type_ids[:, p:], **kwargs)
+        out, _ = self.forward_shared_prefix(batch.input_ids, batch.attention_mask, batch.mm_token_type_ids,
+                                            positions, p, **kwargs)
         return out.last_hidden_state, p
+
+    def forward_shared_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              mm_token_type_ids: torch.Tensor, positions: torch.Tensor, prefix: int,
+                              **vision: Any) -> tuple[Any, Any]:
+        """The Qwen3-VL model's forward over ``input_ids`` ``[B, T]`` whose first ``prefix`` tokens are the same in
+        every row (no image token among them): the prefix runs once at batch 1 and its key/value cache is repeated
+        over the batch, then positions ``prefix..T-1`` run on top of it. ``positions`` ``[3, B, T]`` are the M-RoPE
+        positions of the whole layout (``get_rope_index``); ``vision`` is ``pixel_values`` / ``image_grid_thw``.
+        ``prefix`` 0 runs everything at once. Returns the model output (``last_hidden_state`` ``[B, T - prefix, H]``)
+        and the cache, which holds all ``T`` positions (the rollout engine decodes on from it)."""
+        from transformers import DynamicCache
+
+        vl = self.base_model.model
+        cache = DynamicCache(config=vl.language_model.config)
+        if prefix:
+            vl.language_model(inputs_embeds=vl.get_input_embeddings()(input_ids[:1, :prefix]),
+                              attention_mask=attention_mask[:1, :prefix], position_ids=positions[:, :1, :prefix],
+                              past_key_values=cache, use_cache=True)
+            cache.batch_repeat_interleave(input_ids.shape[0])
+        out = vl(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, position_ids=positions[:, :, prefix:],
+                 past_key_values=cache, use_cache=True, mm_token_type_ids=mm_token_type_ids[:, prefix:], **vision)
+        return out, cache
 
     def _assistant_logits(self, batch: PolicyBatch, temperature: float,
                           share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -187,8 +187,6 @@ class TransformersEngine:
         ``bench/experiments/rollout_profile.py``: a forward over 64 maze prompts 0.48-0.64 s whole, 0.23-0.28 s
         with the prefix shared.
         """
-        from transformers import DynamicCache
-
         from daedalus_trainer.policy import MIN_SHARED_PREFIX
 
         p = self.policy
@@ -214,14 +212,7 @@ class TransformersEngine:
             image_grid_thw = image_grid_thw.to(device)
             kwargs = {"pixel_values": pixel_values.to(device, base.dtype), "image_grid_thw": image_grid_thw}
         positions, _ = vl.get_rope_index(ids, mm, image_grid_thw, attention_mask=attn)  # [3, B, T]
-        cache = DynamicCache(config=vl.language_model.config)
-        if shared:
-            vl.language_model(inputs_embeds=vl.get_input_embeddings()(ids[:1, :shared]),
-                              attention_mask=attn[:1, :shared], position_ids=positions[:, :1, :shared],
-                              past_key_values=cache, use_cache=True)
-            cache.batch_repeat_interleave(n)
-        out = vl(input_ids=ids[:, shared:], attention_mask=attn, position_ids=positions[:, :, shared:],
-                 past_key_values=cache, use_cache=True, mm_token_type_ids=mm[:, shared:], **kwargs)
+        out, cache = p.forward_shared_prefix(ids, attn, mm, positions, shared, **kwargs)
         hidden = out.last_hidden_state[:, -1]  # [B, H]
         next_position = positions.amax(dim=(0, 2)) + 1  # [B]
         stops = torch.tensor(p.stop_token_ids, device=device)
