@@ -103,7 +103,8 @@ def test_node_replacement_checkpoints_stops_and_resumes_with_zero_lost_steps(env
     assert (Path(st["adapterPath"]) / "adapter_config.json").exists()
     assert st["currentStep"] == STEPS and {c["type"]: c["status"] for c in st["conditions"]}["Succeeded"] == "True"
 
-    reasons = env.event_reasons()
+    reasons = env.wait_event_reasons("Submitted", "NodeReplacement", "CheckpointTaken", "Resubmitted", "Recovered",
+                                     "Succeeded")
     for a, b in zip(["Submitted", "NodeReplacement", "CheckpointTaken", "Resubmitted", "Recovered", "Succeeded"],
                     ["NodeReplacement", "CheckpointTaken", "Resubmitted", "Recovered", "Succeeded", None]):
         assert a in reasons, reasons
@@ -141,7 +142,7 @@ def test_killed_ray_job_resumes_from_the_last_periodic_checkpoint(env: OperatorE
     assert st["restarts"] == 1 and st["lastRecovery"]["reason"] == "JobFailed"
     assert st["lastRecovery"]["resumedFromStep"] == resumed_from  # from the new attempt's /status resumedFrom
     assert 0 <= lost - st["lastRecovery"]["lostSteps"] <= 3  # detection lags by at most one poll (0.5 s ~ 2 steps)
-    assert "JobFailed" in env.event_reasons()
+    assert "JobFailed" in env.wait_event_reasons("JobFailed")
     assert len(ray_jobs_of(env, job["metadata"]["uid"])) == 2
 
 
@@ -199,8 +200,8 @@ def test_lost_head_is_replaced_and_the_job_resumes_on_the_new_head(env: Operator
         assert new_jobs == {st["submissionId"]: "SUCCEEDED"}, new_jobs
         assert old_pod in env.fake.pods_created and len([n for n in env.fake.pods_created if "-head-" in n]) == 2
 
-        reasons = env.event_reasons()
         order = ["Submitted", "HeadLost", "Resubmitted", "Recovered", "Succeeded"]
+        reasons = env.wait_event_reasons(*order)
         assert all(r in reasons for r in order), reasons
         assert [reasons.index(r) for r in order] == sorted(reasons.index(r) for r in order), reasons
         text = env.metrics_text()
@@ -253,6 +254,6 @@ def test_suspend_checkpoints_frees_the_cluster_and_resume_continues(env: Operato
     steps = attempts(env)
     assert min(steps[2]) == suspended_at + 1 and steps[2][-1] == STEPS  # zero lost steps across the suspension
     assert st["attempt"] == 2 and st["restarts"] == 0  # a suspension is not a restart
-    reasons = env.event_reasons()
+    reasons = env.wait_event_reasons("Suspend", "Suspended", "Resumed", "Succeeded")
     assert reasons.index("Suspend") < reasons.index("Suspended") < reasons.index("Resumed") < reasons.index(
         "Succeeded"), reasons

@@ -79,7 +79,7 @@ def test_children_owner_refs_token_metrics_liveness(env: OperatorEnv) -> None:
     again = env.kube.get("v1/secrets", "ml", "local-tiny-control")
     assert base64.b64decode(again["data"]["token"]) == token
     assert again["metadata"]["resourceVersion"] == made["local-tiny-control/secrets"]["metadata"]["resourceVersion"]
-    assert "Provisioning" in env.event_reasons()
+    assert "Provisioning" in env.wait_event_reasons("Provisioning")
     text = env.metrics_text()
     assert 'daedalus_operator_job_phase{job="local-tiny",namespace="ml",phase="Provisioning"} 1.0' in text
     assert 'daedalus_operator_jobs{phase="Provisioning"} 1.0' in text
@@ -104,7 +104,7 @@ def test_invalid_spec_is_stalled_without_children_then_fixed(env: OperatorEnv) -
     assert st["lastFailure"]["reason"] == "InvalidSpec"
     time.sleep(1.0)
     assert all(v is None for v in children(env).values())
-    assert "InvalidSpec" in env.event_reasons()
+    assert "InvalidSpec" in env.wait_event_reasons("InvalidSpec")
     env.kube.patch("daedalus.dev/v1alpha1/rltrainingjobs", "ml", "local-tiny", {"spec": {"environment": {"size": 7}}})
     st = env.wait_phase("Provisioning", timeout=30)
     assert st["observedGeneration"] == 2 and "lastFailure" not in st

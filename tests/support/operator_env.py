@@ -198,6 +198,19 @@ class OperatorEnv:
         return [e.get("reason") for e in sorted(self.events(**kw), key=lambda e: e["metadata"]["resourceVersion"]
                                                   .zfill(12))]
 
+    def wait_event_reasons(self, *reasons: str, timeout: float = 20.0, **kw: Any) -> list[str]:
+        """The job's event reasons in order, once every one of `reasons` is among them.
+
+        kopf posts events from a background queue, so a status patch can be visible before the event recorded
+        with it: read the list only after the awaited reasons arrived (AssertionError after `timeout` seconds).
+        """
+
+        def arrived() -> list[str] | None:
+            got = self.event_reasons(**kw)
+            return got if all(r in got for r in reasons) else None
+
+        return wait_for(arrived, timeout=timeout, message=f"events {list(reasons)}")
+
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             return r.read().decode()
