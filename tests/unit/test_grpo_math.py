@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from daedalus_trainer.grpo import group_advantages, grpo_loss
+from daedalus_trainer.grpo import discounted_returns, group_advantages, grpo_loss, step_advantages
 
 
 def test_group_std_advantages_hand_computed():
@@ -26,6 +26,67 @@ def test_no_norm_advantages_are_centred_rewards():
     adv, zero = group_advantages(rewards, "none")
     assert torch.allclose(adv, torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
     assert not zero.item()
+
+
+def test_discounted_returns_of_a_sparse_success():
+    assert discounted_returns([0.0, 0.0, 1.0], 0.5) == [0.25, 0.5, 1.0]
+    assert discounted_returns([0.0, 0.0], 0.9) == [0.0, 0.0]
+    assert discounted_returns([], 0.9) == []
+
+
+def test_step_advantages_hand_computed():
+    # one group of 3 episodes on one maze (anchor states are cells); gamma 0.5
+    states = [["a", "b", "g"],          # a -> b -> g: reaches the goal in 3 turns
+              ["a", "c", "b", "g"],     # a -> c -> b -> g: in 4
+              ["a", "c", "c"]]          # a -> c -> c: fails
+    rewards = [[0, 0, 1], [0, 0, 0, 1], [0, 0, 0]]
+    adv = step_advantages(states, rewards, group_size=3, gamma=0.5, eps=0.0)
+    # returns: ep0 [.25, .5, 1]; ep1 [.125, .25, .5, 1]; ep2 [0, 0, 0]
+    a = torch.tensor([0.25, 0.125, 0.0], dtype=torch.float64)  # the three turns taken in state a
+    za = ((a - a.mean()) / a.std(unbiased=False)).tolist()
+    c = torch.tensor([0.25, 0.0, 0.0], dtype=torch.float64)  # ep1's turn in c, ep2's two turns in c
+    zc = ((c - c.mean()) / c.std(unbiased=False)).tolist()
+    expect = [[za[0], 0.0, 0.0], [za[1], zc[0], 0.0, 0.0], [za[2], zc[1], zc[2]]]
+    for got_row, want_row in zip(adv, expect):
+        assert got_row == pytest.approx(want_row, abs=1e-9)
+    # b (returns 0.5 and 0.5) and g (1 and 1) are step groups of equal returns: 0. From a, the shorter way scores
+    # highest and the failure lowest
+    assert adv[0][0] > adv[1][0] > adv[2][0]
+    # "none": returns centred, not scaled
+    adv_none = step_advantages(states, rewards, group_size=3, gamma=0.5, norm="none")
+    assert adv_none[0][0] == pytest.approx(0.25 - 0.125)
+
+
+def test_step_groups_do_not_cross_episode_groups_and_skip_unknown_states():
+    # the same cell in two different groups (two mazes) is two anchor states; None is never grouped
+    states = [["a"], ["a"], ["a"], [None]]
+    rewards = [[1.0], [0.0], [1.0], [0.0]]
+    adv = step_advantages(states, rewards, group_size=2, gamma=0.95, eps=0.0)
+    assert adv[0] == [1.0] and adv[1] == [-1.0]
+    assert adv[2] == [0.0] and adv[3] == [0.0]
+
+
+def test_every_success_group_still_has_step_signal():
+    # all episodes of the group succeed (GRPO: zero variance, no signal); from the shared start cell, the episode
+    # that took the direct way gets a positive step advantage, the detour a negative one
+    states = [["s", "x", "g"], ["s", "y", "z", "g"]]
+    rewards = [[0, 0, 1], [0, 0, 0, 1]]
+    episode_adv, zero = group_advantages(torch.tensor([[1.0, 1.0]]))
+    assert zero.tolist() == [True] and torch.equal(episode_adv, torch.zeros(1, 2))
+    adv = step_advantages(states, rewards, group_size=2, gamma=0.95, eps=0.0)
+    assert adv[0][0] == pytest.approx(1.0) and adv[1][0] == pytest.approx(-1.0)
+    assert adv[0][1:] == [0.0, 0.0] and adv[1][1:] == [0.0, 0.0, 0.0]
+
+
+def test_step_advantages_reject_bad_arguments():
+    with pytest.raises(ValueError, match="same"):
+        step_advantages([["a"]], [[0.0, 1.0]], 1, 0.9)
+    with pytest.raises(ValueError, match="groups of 2"):
+        step_advantages([["a"]], [[1.0]], 2, 0.9)
+    with pytest.raises(ValueError, match="gamma"):
+        step_advantages([["a"]], [[1.0]], 1, 0.0)
+    with pytest.raises(ValueError, match="unknown advantage"):
+        step_advantages([["a"]], [[1.0]], 1, 0.9, norm="rank")
 
 
 def test_bad_arguments_raise():

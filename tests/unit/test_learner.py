@@ -14,6 +14,7 @@ from support.tiny_model import make_tiny_job, tiny_checkpoint  # noqa: F401
 
 from daedalus_trainer.actors import Learner
 from daedalus_trainer.envs import maze_from_seed
+from daedalus_trainer.grpo import step_advantages
 from daedalus_trainer.rollout import SamplingParams, TransformersEngine, run_episodes
 
 GROUP = 4
@@ -155,6 +156,36 @@ def test_all_equal_rewards_skip_the_update(tiny_checkpoint):  # noqa: F811
     assert stats.skipped and stats.updates == 0 and stats.zero_variance_groups == 2
     after = learner.adapter_state()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_step_advantages_give_signal_where_every_episode_succeeded(tiny_checkpoint):  # noqa: F811
+    """GiGPO's step groups (``stepAdvantageWeight`` > 0) train on groups that plain GRPO skips as zero-variance."""
+    job = make_tiny_job(tiny_checkpoint, algorithm={"stepAdvantageWeight": 1.0, "stepDiscount": 0.5},
+                        environment={"maxTurns": 3})
+    learner = Learner(job, None, str(tiny_checkpoint.parent))
+    trajs = _rollouts(learner, job)
+    for t in trajs:  # every episode "succeeds" on its last turn
+        t.reward = 1.0
+        t.turns[-1].reward = 1.0
+    # the anchor state of each turn is the agent's cell before it: the start, then wherever the moves led
+    for t in trajs:
+        assert t.turns[0].state == tuple(t.maze.start)
+        for prev, nxt in zip(t.turns, t.turns[1:]):
+            assert (nxt.state != prev.state) == prev.feedback.startswith("Moved"), (prev.feedback, prev.state)
+    expect = step_advantages([[u.state for u in t.turns] for t in trajs], [[u.reward for u in t.turns] for t in trajs],
+                             GROUP, 0.5)
+    assert any(v != 0.0 for row in expect for v in row)  # cells revisited at different distances from the reward
+
+    plain = make_tiny_job(tiny_checkpoint, environment={"maxTurns": 3})
+    grpo = Learner(plain, None, str(tiny_checkpoint.parent))
+    assert grpo.update(trajs, GROUP).skipped  # plain GRPO: both groups all-success, nothing to learn
+
+    before = learner.adapter_state()
+    stats = learner.update(trajs, GROUP)
+    assert not stats.skipped and stats.updates == 1 and stats.zero_variance_groups == 2
+    assert stats.sequences == sum(len(t.turns) for t, row in zip(trajs, expect) if any(row))
+    after = learner.adapter_state()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
 def test_packed_adapter_publication_loads_the_same_weights(tiny_checkpoint):  # noqa: F811

@@ -188,15 +188,16 @@ class Learner:
         (:func:`daedalus_trainer.grpo.learning_rate_at`); ``None`` keeps the optimizer's current one.
 
         Rewards -> group-relative advantages -> clipped policy loss on the assistant tokens of every turn (the
-        episode's advantage broadcast to all of them) -> gradient clipping -> AdamW, ``iterationsPerStep`` times over
-        the same rollouts (the behaviour log-probs stay those recorded at sampling time). Groups whose rewards are all
-        equal carry no signal and are skipped (unless a KL term is on); if every group is like that the step is
-        skipped.
+        episode's advantage broadcast to all of them, plus ``stepAdvantageWeight`` times GiGPO's step-level advantage
+        of the turn, :func:`daedalus_trainer.grpo.step_advantages`) -> gradient clipping -> AdamW,
+        ``iterationsPerStep`` times over the same rollouts (the behaviour log-probs stay those recorded at sampling time). Episodes whose every turn has
+        advantage 0 (plain GRPO: groups whose rewards are all equal) carry no signal and are skipped (unless a KL term
+        is on); if every episode is like that the step is skipped.
 
         Raises:
             ValueError: ``len(trajectories)`` is not a multiple of ``group_size``.
         """
-        from daedalus_trainer.grpo import group_advantages, grpo_loss, learning_rate_at
+        from daedalus_trainer.grpo import group_advantages, grpo_loss, learning_rate_at, step_advantages
 
         started = time.perf_counter()
         algo = self.job.spec.algorithm
@@ -212,8 +213,17 @@ class Learner:
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32).view(-1, group_size)
         adv, zero_var = group_advantages(rewards, algo.advantage_norm)
         adv = adv.flatten()
+        # per turn: the episode's advantage, plus GiGPO's step-level advantage when its weight is on
+        turn_adv = [[float(adv[e])] * len(trajectories[e].turns) for e in range(n)]
+        if algo.step_advantage_weight > 0:
+            step_adv = step_advantages([[turn.state for turn in t.turns] for t in trajectories],
+                                       [[turn.reward for turn in t.turns] for t in trajectories], group_size,
+                                       algo.step_discount, algo.advantage_norm)
+            w = float(algo.step_advantage_weight)
+            turn_adv = [[a + w * b for a, b in zip(ta, sa)] for ta, sa in zip(turn_adv, step_adv)]
         use_kl = algo.kl_coef > 0
-        episodes = [e for e in range(n) if use_kl or not bool(zero_var[e // group_size])]
+        episodes = [e for e in range(n)
+                    if use_kl or not bool(zero_var[e // group_size]) or any(a != 0.0 for a in turn_adv[e])]
         n_zero = int(zero_var.sum())
         if not episodes:
             return UpdateStats(None, None, None, None, 0, 0, n_zero, True, time.perf_counter() - started, updates=0,
@@ -241,10 +251,10 @@ class Learner:
         for chunk in chunks:
             seqs, old_rows, row_adv, row_ep = [], [], [], []
             for e in chunk:
-                for turn in trajectories[e].turns:
+                for turn, a in zip(trajectories[e].turns, turn_adv[e]):
                     seqs.append(turn.sequence())
                     old_rows.append(turn.logprobs)
-                    row_adv.append(float(adv[e]))
+                    row_adv.append(a)
                     row_ep.append(e)
             batch = self.policy.collate(seqs)
             old = torch.zeros(batch.assistant_mask.shape, dtype=torch.float32)

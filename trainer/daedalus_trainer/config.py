@@ -142,6 +142,14 @@ class AlgorithmSpec(_Model):
     """`token-mean` (DAPO), `seq-mean-token-sum` (Dr. GRPO) or `seq-mean-token-mean` (original GRPO)."""
     advantage_norm: Literal["group-std", "none"] = "group-std"
     """`group-std`: (r - mean) / (std + eps) within each group (GRPO); `none`: r - mean (Dr. GRPO)."""
+    step_advantage_weight: float = Field(0.0, ge=0.0, le=100.0)
+    """Weight w of the step-level advantage added to every turn's episode advantage (GiGPO, Feng et al. 2025,
+    arXiv:2505.10978, which uses 1): turns of one group taken in the same environment state (the agent's cell)
+    form a step group, and each turn's discounted return is compared within it. 0 (default) is plain GRPO, the
+    episode's advantage on every turn."""
+    step_discount: float = Field(0.95, gt=0.0, le=1.0)
+    """Discount gamma of the step-level returns (`stepAdvantageWeight` > 0): a turn `k` turns before the reward
+    returns `gamma ** k` of it, so from one cell the shorter way to the goal scores higher (GiGPO uses 0.95)."""
     iterations_per_step: int = Field(1, ge=1, le=64, strict=True)
     """Policy updates per batch of rollouts (mu of DeepSeekMath's Algorithm 1; TRL's `num_iterations`). Above 1 the
     later updates are off-policy and the clipped ratio bounds how far each moves; rollouts cost most of a step, so

@@ -8,7 +8,8 @@ the k3 estimator (Schulman 2020, "Approximating KL divergence").
 
 Multi-turn: one episode is several turns; the learner sees one sequence per turn (the turn's context window and the
 tokens sampled in it). An episode's advantage is broadcast to every assistant token of every one of its turns, and the
-"sequence" of the aggregation modes is the episode, so a long episode does not count as many sequences.
+"sequence" of the aggregation modes is the episode, so a long episode does not count as many sequences. With
+``algorithm.stepAdvantageWeight`` > 0 each turn also gets GiGPO's step-level advantage (:func:`step_advantages`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,84 @@ def group_advantages(rewards: torch.Tensor, norm: str = "group-std", eps: float 
         raise ValueError(f"unknown advantage normalisation {norm!r}; use 'group-std' or 'none'")
     adv = torch.where(zero_variance[:, None], torch.zeros_like(adv), adv)
     return adv, zero_variance
+
+
+def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
+    """Per-turn discounted returns ``R_t = r_t + gamma * R_{t+1}`` of one episode (``R`` past the last turn is 0).
+
+    Args:
+        rewards: ``[T]`` the episode's turn rewards (Maze2D: 1.0 on the successful last turn, else 0.0).
+        gamma: discount in (0, 1].
+
+    Returns:
+        ``[T]`` returns; with Maze2D's sparse reward a successful episode's turn ``t`` returns ``gamma ** (T - 1 - t)``.
+    """
+    out = [0.0] * len(rewards)
+    running = 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        running = float(rewards[t]) + gamma * running
+        out[t] = running
+    return out
+
+
+def step_advantages(states: Sequence[Sequence[Hashable | None]], rewards: Sequence[Sequence[float]],
+                    group_size: int, gamma: float, norm: str = "group-std", eps: float = ADVANTAGE_EPS
+                    ) -> list[list[float]]:
+    """Step-level relative advantages of GiGPO (Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent
+    Training", arXiv:2505.10978, eq. 6-7).
+
+    Within each episode group (the ``group_size`` episodes on one maze), the turns taken in the same environment
+    state (the *anchor state*; Maze2D: the agent's cell) form a step group, however many times and in whichever
+    episodes that state was visited. A turn's advantage is its discounted return compared within its step group:
+    ``(R - mean) / (std + eps)`` (population std) with ``norm="group-std"``, ``R - mean`` with ``"none"``. A step
+    group of one turn, or whose returns are all equal, gives 0; so does a turn whose state is None.
+
+    With a sparse success reward this is the credit GRPO's episode advantage lacks: at a cell visited by several
+    episodes, the move that led to the goal sooner scores higher, also in groups where every episode succeeded
+    (whose episode advantages are all 0).
+
+    Args:
+        states: ``[E][T_e]`` anchor state of each turn, episodes laid out group by group (episode ``e`` is in group
+            ``e // group_size``); any hashable, or None where not recorded.
+        rewards: ``[E][T_e]`` each turn's reward.
+        group_size: G.
+        gamma: discount of :func:`discounted_returns`, in (0, 1].
+        norm: ``"group-std"`` or ``"none"``, as :func:`group_advantages`.
+        eps: added to the std.
+
+    Returns:
+        ``[E][T_e]`` step-level advantages.
+
+    Raises:
+        ValueError: mismatched shapes, ``len(states)`` not a multiple of ``group_size``, ``gamma`` outside (0, 1], or
+            an unknown ``norm``.
+    """
+    if len(states) != len(rewards) or any(len(s) != len(r) for s, r in zip(states, rewards)):
+        raise ValueError("states and rewards must have the same [episodes][turns] shape")
+    if group_size < 1 or len(states) % group_size:
+        raise ValueError(f"{len(states)} episodes do not form groups of {group_size}")
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+    if norm not in ("group-std", "none"):
+        raise ValueError(f"unknown advantage normalisation {norm!r}; use 'group-std' or 'none'")
+    returns = [discounted_returns(r, gamma) for r in rewards]
+    out = [[0.0] * len(r) for r in rewards]
+    members: dict[tuple[int, Hashable], list[tuple[int, int]]] = {}
+    for e, episode_states in enumerate(states):
+        for t, state in enumerate(episode_states):
+            if state is not None:
+                members.setdefault((e // group_size, state), []).append((e, t))
+    for turns in members.values():
+        if len(turns) < 2:
+            continue
+        values = torch.tensor([returns[e][t] for e, t in turns], dtype=torch.float64)
+        if bool((values == values[0]).all()):
+            continue
+        centred = values - values.mean()
+        adv = centred / (values.std(unbiased=False) + eps) if norm == "group-std" else centred
+        for (e, t), a in zip(turns, adv.tolist()):
+            out[e][t] = float(a)
+    return out
 
 
 @dataclass

@@ -40,6 +40,8 @@ class TurnRecord:
         reward: the environment's reward for this turn (1.0 on the successful turn, else 0.0).
         parse_error / wall_bump: as the environment's info.
         finish_reason: ``stop`` or ``length``.
+        state: the environment state the reply acted in, the agent's cell ``(row, column)`` before the turn (the
+            anchor of GiGPO's step groups, :func:`daedalus_trainer.grpo.step_advantages`); None if not recorded.
     """
 
     prompt_ids: list[int]
@@ -53,6 +55,7 @@ class TurnRecord:
     parse_error: bool
     wall_bump: bool
     finish_reason: str
+    state: tuple[int, int] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -178,13 +181,14 @@ def run_episodes(
         gens = engine.generate(convs, imgs, turn_sampling)
         still = []
         for i, gen, images in zip(active, gens, imgs):
+            state = (int(envs[i].agent[0]), int(envs[i].agent[1]))
             obs, reward, terminated, truncated, info = envs[i].step(gen.text)
             traj = trajectories[i]
             traj.turns.append(TurnRecord(
                 prompt_ids=gen.prompt_ids, completion_ids=gen.token_ids, logprobs=gen.logprobs, images=images,
                 text=gen.text, action=info["action"], feedback=obs["feedback"], reward=float(reward),
                 parse_error=bool(info["parse_error"]), wall_bump=bool(info["wall_bump"]),
-                finish_reason=gen.finish_reason,
+                finish_reason=gen.finish_reason, state=state,
             ))
             traj.reward += float(reward)
             traj.final_image = obs["image"]
