@@ -148,9 +148,12 @@ class Learner:
     def adapter_state(self, packed: bool = False) -> dict[str, Any]:
         """LoRA weights (CPU tensors, PEFT key names): what the engines load. With ``packed``, as
         :class:`~daedalus_trainer.checkpoint.PackedTensor` byte views: what a Ray call should ask for (one copy into
-        the object store, none out of it; :class:`RolloutWorker` unpacks), the adapter being published every step."""
-        state = self.policy.adapter_state()
-        return pack_tensors(state) if packed else state
+        the object store, none out of it; :class:`RolloutWorker` unpacks), the adapter being published every step.
+        Packed, the views are of the live parameters (no copy here: Ray's copy as the call returns is the only one, and
+        this actor runs no update before that); unpacked, the tensors are copies the caller may keep."""
+        if packed:
+            return pack_tensors(self.policy.adapter_state(copy=False))
+        return self.policy.adapter_state()
 
     def adapter_config(self) -> dict[str, Any]:
         """The PEFT ``adapter_config.json`` content of the adapter."""

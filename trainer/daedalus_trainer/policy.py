@@ -233,8 +233,12 @@ class Policy:
         if missing or result.unexpected_keys:
             raise ValueError(f"adapter mismatch: missing {missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}")
 
-    def adapter_state(self) -> dict[str, torch.Tensor]:
+    def adapter_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """The adapter weights as a CPU state dict (PEFT key names; what travels to rollout engines).
+
+        ``copy=False`` returns the live parameters themselves where they already are on the CPU (detached, sharing
+        memory): only for a caller that serialises them before the next optimizer step (a Ray actor method's return
+        value is copied into the object store as the method returns).
 
         Raises:
             ValueError: no adapter attached.
@@ -243,7 +247,7 @@ class Policy:
 
         if not self.has_adapter:
             raise ValueError("no adapter attached")
-        return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model).items()}
+        return {k: v.detach().to("cpu", copy=copy) for k, v in get_peft_model_state_dict(self.model).items()}
 
     def save_adapter(self, out_dir: str | Path) -> Path:
         """Write the adapter in PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``), servable by vLLM.
