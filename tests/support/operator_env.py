@@ -205,6 +205,9 @@ class OperatorEnv:
         with it: read the list only after the awaited reasons arrived (AssertionError after `timeout` seconds).
         """
 
+        if not reasons:
+            return self.event_reasons(**kw)
+
         def arrived() -> list[str] | None:
             got = self.event_reasons(**kw)
             return got if all(r in got for r in reasons) else None

@@ -187,6 +187,10 @@ def test_step_advantages_give_signal_where_every_episode_succeeded(tiny_checkpoi
     after = learner.adapter_state()
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
+    trajs[0].turns[-1].reward = 0.0  # the episode says 1.0, its turns now 0.0: two rewards, which one to train on?
+    with pytest.raises(ValueError, match="sum of its turns' rewards"):
+        learner.update(trajs, GROUP)
+
 
 def test_packed_adapter_publication_loads_the_same_weights(tiny_checkpoint):  # noqa: F811
     """The adapter as the trainer publishes it through Ray (byte views, read-only on arrival) makes a rollout worker

@@ -193,12 +193,15 @@ class Learner:
         Rewards -> group-relative advantages -> clipped policy loss on the assistant tokens of every turn (the
         episode's advantage broadcast to all of them, plus ``stepAdvantageWeight`` times GiGPO's step-level advantage
         of the turn, :func:`daedalus_trainer.grpo.step_advantages`) -> gradient clipping -> AdamW,
-        ``iterationsPerStep`` times over the same rollouts (the behaviour log-probs stay those recorded at sampling time). Episodes whose every turn has
-        advantage 0 (plain GRPO: groups whose rewards are all equal) carry no signal and are skipped (unless a KL term
-        is on); if every episode is like that the step is skipped.
+        ``iterationsPerStep`` times over the same rollouts (the behaviour log-probs stay those recorded at sampling
+        time). An episode is trained on if its group's rewards differ, any of its turns has a non-zero step-level
+        advantage, or a KL term is on; the others carry no signal (plain GRPO: the groups whose rewards are all
+        equal). If no episode is left, the step is skipped.
 
         Raises:
-            ValueError: ``len(trajectories)`` is not a multiple of ``group_size``.
+            ValueError: ``len(trajectories)`` is not a multiple of ``group_size``; with ``stepAdvantageWeight`` > 0,
+                an episode's reward is not the sum of its turns' rewards (the step returns are computed from the
+                turns', the episode advantage from the episode's).
         """
         from daedalus_trainer.grpo import group_advantages, grpo_loss, learning_rate_at, step_advantages
 
@@ -219,6 +222,10 @@ class Learner:
         # per turn: the episode's advantage, plus GiGPO's step-level advantage when its weight is on
         turn_adv = [[float(adv[e])] * len(trajectories[e].turns) for e in range(n)]
         if algo.step_advantage_weight > 0:
+            for e, t in enumerate(trajectories):
+                if abs(sum(turn.reward for turn in t.turns) - t.reward) > 1e-6:
+                    raise ValueError(f"episode {e}: reward {t.reward} is not the sum of its turns' rewards "
+                                     f"{[turn.reward for turn in t.turns]}; step-level advantages need both to agree")
             step_adv = step_advantages([[turn.state for turn in t.turns] for t in trajectories],
                                        [[turn.reward for turn in t.turns] for t in trajectories], group_size,
                                        algo.step_discount, algo.advantage_norm)

@@ -90,8 +90,10 @@ def step_advantages(states: Sequence[Sequence[Hashable | None]], rewards: Sequen
     Within each episode group (the ``group_size`` episodes on one maze), the turns taken in the same environment
     state (the *anchor state*; Maze2D: the agent's cell) form a step group, however many times and in whichever
     episodes that state was visited. A turn's advantage is its discounted return compared within its step group:
-    ``(R - mean) / (std + eps)`` (population std) with ``norm="group-std"``, ``R - mean`` with ``"none"``. A step
-    group of one turn, or whose returns are all equal, gives 0; so does a turn whose state is None.
+    ``(R - mean) / (std + eps)`` with ``norm="group-std"``, ``R - mean`` with ``"none"``. The std is the population
+    std, as in :func:`group_advantages` (verl-agent's GiGPO code uses the unbiased one: +-1 here is +-0.71 there for a
+    step group of two). A step group of one turn, or whose returns are all equal, gives 0; so does a turn whose state
+    is None.
 
     With a sparse success reward this is the credit GRPO's episode advantage lacks: at a cell visited by several
     episodes, the move that led to the goal sooner scores higher, also in groups where every episode succeeded
@@ -180,7 +182,8 @@ def grpo_loss(
     Args:
         logprobs: ``[B, T]`` log-probs of the sampled tokens under the current policy (requires grad).
         old_logprobs: ``[B, T]`` log-probs recorded by the rollout engine (the behaviour policy).
-        advantages: ``[B]`` advantage of the episode each row belongs to.
+        advantages: ``[B]`` advantage of each row's turn (its episode's advantage, plus the turn's step-level one
+            with GiGPO).
         mask: ``[B, T]`` 1 on assistant (sampled) tokens, 0 on prompt, image and padding tokens.
         episode_ids: ``[B]`` long, index of the episode of each row (several rows per multi-turn episode).
         ref_logprobs: ``[B, T]`` reference (SFT start) log-probs, required when ``kl_coef > 0``.

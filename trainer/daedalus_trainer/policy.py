@@ -238,7 +238,7 @@ class Policy:
 
         ``copy=False`` returns the live parameters themselves where they already are on the CPU (detached, sharing
         memory): only for a caller that serialises them before the next optimizer step (a Ray actor method's return
-        value is copied into the object store as the method returns).
+        value is serialised as the method returns, into the object store or, when small, inline into the reply).
 
         Raises:
             ValueError: no adapter attached.
