@@ -6,7 +6,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python bench/trainer_vs_trl.py`` (a few minut
 Part 1, single turn, side by side in one process:
 
 - Model: the tiny Qwen3-VL (:func:`daedalus_trainer.tiny.build_tiny_checkpoint`) after a short SFT
-  (:func:`daedalus_trainer.sft.run_sft`, ``--sft-steps`` steps on first-move demonstrations) so that replies parse
+  (:func:`daedalus_trainer.sft.run_sft`, ``--sft-steps`` steps on first-move demonstrations, default 120) so that replies parse
   and rewards vary within a group; a random model would reward every episode 0, every group would have zero
   variance and our learner would skip the whole update (TRL would not), which would not be a like-for-like step.
 - Task: one turn of Maze2D (size 7, 16 px cells): system instructions + the maze image; reward 1 if the parsed action
@@ -312,6 +312,7 @@ def run_side_by_side(args, tiny_dir: Path, sft_dir: Path, work: Path) -> dict:
     samples = algo.mazes_per_step * algo.group_size
     s = {
         "samples": samples,
+        "pairs": len(measured),
         "trl_step": summarize([p["trl"]["total"] for p in measured]),
         "trl_generate": summarize([p["trl"]["generate"] for p in measured]),
         "our_step": summarize([p["ours"]["total"] for p in measured]),
@@ -397,7 +398,9 @@ def main(argv=None) -> int:
                    default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     p.add_argument("--max-tokens", type=int, default=12, help="max new tokens per reply")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--sft-steps", type=int, default=40, help="SFT steps before GRPO (format + reward variance)")
+    p.add_argument("--sft-steps", type=int, default=120,
+                   help="SFT steps before GRPO (format + reward variance; 40 no longer gave parseable replies after "
+                        "the SFT changes of sessions 5-8: every reward 0)")
     p.add_argument("--warmup", type=int, default=2, help="step pairs discarded")
     p.add_argument("--repeats", type=int, default=8, help="measured step pairs (>= 5)")
     p.add_argument("--mt-steps", type=int, default=6,
@@ -472,6 +475,13 @@ def main(argv=None) -> int:
               f"{mt['env_steps_per_s_wall'].median:.1f} over the whole step")
         print(f"tokens/s            {mt['tokens_per_s'].fmt(1)} generated during rollout")
     print()
+    if s["our_skipped"]:
+        # every group had equal rewards in some step: our learner skipped that update and TRL did not, so the step
+        # times are not like for like (a too-short SFT whose replies do not parse gives reward 0 everywhere)
+        print(f"trainer_vs_trl: no figure: our learner skipped {s['our_skipped']} of {s['pairs']} measured updates "
+              f"(every group's rewards equal; reward mean {s['our_reward_mean'].median:.2f}); raise --sft-steps "
+              f"(now {args.sft_steps})", file=sys.stderr)
+        return 1
     print(figure_line("trainer_vs_trl", ours_sps, "samples/s", "TRL 1.16 GRPOTrainer", trl_sps, ours_sps / trl_sps))
     return 0
 
