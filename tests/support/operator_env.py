@@ -153,9 +153,33 @@ class OperatorEnv:
         try:
             self.stop_operator()
         finally:
-            if self.fake:
-                self.fake.stop()
-            self.kube_server.stop()
+            try:
+                self.stop_ray_jobs()
+            finally:
+                if self.fake:
+                    self.fake.stop()
+                self.kube_server.stop()
+
+    def stop_ray_jobs(self, timeout: float = 30.0) -> list[str]:
+        """Stop every Ray job still running on the shared head and wait until each has ended (returns their ids).
+
+        The head outlives each test: a trainer left running would keep its actors' CPUs and starve the next test's
+        trainer (whose actors would then wait for resources, and the test for a first step, forever)."""
+        if self.ray is None:
+            return []
+        from ray.job_submission import JobStatus, JobSubmissionClient
+
+        client = JobSubmissionClient(self.ray.dashboard_url)
+        live = [j.submission_id for j in client.list_jobs() if j.submission_id and not j.status.is_terminal()]
+        for sid in live:
+            client.stop_job(sid)
+        deadline = time.monotonic() + timeout
+        while live and time.monotonic() < deadline:
+            if all(client.get_job_status(sid) in (JobStatus.STOPPED, JobStatus.SUCCEEDED, JobStatus.FAILED)
+                   for sid in live):
+                break
+            time.sleep(0.2)
+        return live
 
     # -- jobs -------------------------------------------------------------------------------------------------------
     def job_manifest(self, name: str = "local-tiny", namespace: str = "ml", **spec_overrides: Any) -> dict:
@@ -184,8 +208,38 @@ class OperatorEnv:
 
     def wait_status(self, predicate: Callable[[dict], Any], timeout: float = 60.0, message: str = "status",
                     name: str = "local-tiny", namespace: str = "ml") -> dict:
-        return wait_for(lambda: (lambda st: st if predicate(st) else None)(self.status(name, namespace)),
-                        timeout=timeout, message=message)
+        """The job's status once ``predicate`` holds; AssertionError after ``timeout`` seconds, with what the status,
+        the events and the Ray head said then (:meth:`diagnosis`)."""
+        try:
+            return wait_for(lambda: (lambda st: st if predicate(st) else None)(self.status(name, namespace)),
+                            timeout=timeout, message=message)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.diagnosis(name, namespace)}") from None
+
+    def diagnosis(self, name: str = "local-tiny", namespace: str = "ml", log_chars: int = 3000) -> str:
+        """What a timed-out wait should print: the job's status, its event reasons, and every Ray job on the head with
+        its status, message and (for the job's current submission) the tail of its logs."""
+        import json
+
+        lines = []
+        try:
+            lines.append(f"status: {json.dumps(self.status(name, namespace), sort_keys=True)[:4000]}")
+            lines.append(f"events: {self.event_reasons(name=name, namespace=namespace)}")
+        except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the failure it explains
+            lines.append(f"status/events unavailable: {exc!r}")
+        if self.ray is not None:
+            try:
+                from ray.job_submission import JobSubmissionClient
+
+                client = JobSubmissionClient(self.ray.dashboard_url)
+                current = self.status(name, namespace).get("submissionId")
+                for job in client.list_jobs():
+                    lines.append(f"ray job {job.submission_id}: {job.status.value} {job.message or ''}".rstrip())
+                    if job.submission_id and job.submission_id == current:
+                        lines.append("  log tail: " + client.get_job_logs(job.submission_id)[-log_chars:])
+            except Exception as exc:  # noqa: BLE001
+                lines.append(f"ray jobs unavailable: {exc!r}")
+        return "\n".join(lines)
 
     def wait_phase(self, phase: str, timeout: float = 60.0, **kw: Any) -> dict:
         return self.wait_status(lambda st: st.get("phase") == phase, timeout, f"phase {phase}", **kw)
