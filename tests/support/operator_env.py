@@ -167,7 +167,7 @@ class OperatorEnv:
         trainer (whose actors would then wait for resources, and the test for a first step, forever)."""
         if self.ray is None:
             return []
-        from ray.job_submission import JobStatus, JobSubmissionClient
+        from ray.job_submission import JobSubmissionClient
 
         client = JobSubmissionClient(self.ray.dashboard_url)
         live = [j.submission_id for j in client.list_jobs() if j.submission_id and not j.status.is_terminal()]
@@ -175,8 +175,7 @@ class OperatorEnv:
             client.stop_job(sid)
         deadline = time.monotonic() + timeout
         while live and time.monotonic() < deadline:
-            if all(client.get_job_status(sid) in (JobStatus.STOPPED, JobStatus.SUCCEEDED, JobStatus.FAILED)
-                   for sid in live):
+            if all(client.get_job_status(sid).is_terminal() for sid in live):
                 break
             time.sleep(0.2)
         return live
@@ -222,8 +221,10 @@ class OperatorEnv:
         import json
 
         lines = []
+        status: dict = {}
         try:
-            lines.append(f"status: {json.dumps(self.status(name, namespace), sort_keys=True)[:4000]}")
+            status = self.status(name, namespace)
+            lines.append(f"status: {json.dumps(status, sort_keys=True)[:4000]}")
             lines.append(f"events: {self.event_reasons(name=name, namespace=namespace)}")
         except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the failure it explains
             lines.append(f"status/events unavailable: {exc!r}")
@@ -232,7 +233,7 @@ class OperatorEnv:
                 from ray.job_submission import JobSubmissionClient
 
                 client = JobSubmissionClient(self.ray.dashboard_url)
-                current = self.status(name, namespace).get("submissionId")
+                current = status.get("submissionId")
                 for job in client.list_jobs():
                     lines.append(f"ray job {job.submission_id}: {job.status.value} {job.message or ''}".rstrip())
                     if job.submission_id and job.submission_id == current:

@@ -222,13 +222,13 @@ class Learner:
         # per turn: the episode's advantage, plus GiGPO's step-level advantage when its weight is on
         turn_adv = [[float(adv[e])] * len(trajectories[e].turns) for e in range(n)]
         if algo.step_advantage_weight > 0:
-            for e, t in enumerate(trajectories):
-                if abs(sum(turn.reward for turn in t.turns) - t.reward) > 1e-6:
-                    raise ValueError(f"episode {e}: reward {t.reward} is not the sum of its turns' rewards "
-                                     f"{[turn.reward for turn in t.turns]}; step-level advantages need both to agree")
-            step_adv = step_advantages([[turn.state for turn in t.turns] for t in trajectories],
-                                       [[turn.reward for turn in t.turns] for t in trajectories], group_size,
-                                       algo.step_discount, algo.advantage_norm)
+            turn_rewards = [[turn.reward for turn in t.turns] for t in trajectories]
+            for e, (t, r) in enumerate(zip(trajectories, turn_rewards)):
+                if abs(sum(r) - t.reward) > 1e-6:
+                    raise ValueError(f"episode {e}: reward {t.reward} is not the sum of its turns' rewards {r}; "
+                                     "step-level advantages need both to agree")
+            step_adv = step_advantages([[turn.state for turn in t.turns] for t in trajectories], turn_rewards,
+                                       group_size, algo.step_discount, algo.advantage_norm)
             w = float(algo.step_advantage_weight)
             turn_adv = [[a + w * b for a, b in zip(ta, sa)] for ta, sa in zip(turn_adv, step_adv)]
         use_kl = algo.kl_coef > 0

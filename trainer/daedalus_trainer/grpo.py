@@ -133,13 +133,11 @@ def step_advantages(states: Sequence[Sequence[Hashable | None]], rewards: Sequen
     for turns in members.values():
         if len(turns) < 2:
             continue
-        values = torch.tensor([returns[e][t] for e, t in turns], dtype=torch.float64)
-        if bool((values == values[0]).all()):
-            continue
-        centred = values - values.mean()
-        adv = centred / (values.std(unbiased=False) + eps) if norm == "group-std" else centred
-        for (e, t), a in zip(turns, adv.tolist()):
-            out[e][t] = float(a)
+        # a step group is normalised exactly as an episode group (equal returns: zero variance, advantages 0)
+        values = torch.tensor([[returns[e][t] for e, t in turns]], dtype=torch.float64)  # [1, K]
+        adv, _ = group_advantages(values, norm, eps)
+        for (e, t), a in zip(turns, adv[0].tolist()):
+            out[e][t] = a
     return out
 
 
