@@ -137,6 +137,8 @@ INVALID = [
     ("spec.environment.size", "11", "spec.environment.size", "valid integer", "schema"),
     ("spec.algorithm.steps", 30.5, "spec.algorithm.steps", "valid integer", "schema"),
     ("spec.sft.onPolicyFraction", 1.5, "spec.sft.onPolicyFraction", "less than or equal to 1", "schema"),
+    # the example's 8 mazes per step do not split into 3 mini-batches of whole groups
+    ("spec.algorithm.miniBatches", 3, "spec.algorithm.miniBatches", "must divide algorithm.mazesPerStep", "cel"),
 ]
 
 

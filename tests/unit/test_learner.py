@@ -145,6 +145,67 @@ def test_second_iteration_moves_further_than_one(tiny_checkpoint):  # noqa: F811
     assert moved[2] > moved[1] > 0
 
 
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
+def test_mini_batches_equal_one_update_per_group_in_turn(tiny_checkpoint, aggregation):  # noqa: F811
+    """miniBatches 2 over 2 groups = two plain updates, one on each group, in order: the same AdamW steps, the
+    second off-policy (scored against the behaviour log-probs recorded at sampling time), so the same adapter."""
+    algorithm = {"learningRate": 0.01, "lossAggregation": aggregation}
+    job = make_tiny_job(tiny_checkpoint, algorithm={**algorithm, "mazesPerStep": 2, "miniBatches": 2},
+                        environment={"maxTurns": 3})
+    split = Learner(job, None, str(tiny_checkpoint.parent))
+    trajs = _rollouts(split, job)
+    stats = split.update(trajs, GROUP)
+    assert stats.updates == 2 and not stats.skipped
+    assert stats.sequences == sum(len(t.turns) for t in trajs)
+
+    plain = make_tiny_job(tiny_checkpoint, algorithm={**algorithm, "mazesPerStep": 1},
+                          environment={"maxTurns": 3})
+    in_turn = Learner(plain, None, str(tiny_checkpoint.parent))
+    first = in_turn.update(trajs[:GROUP], GROUP)
+    second = in_turn.update(trajs[GROUP:], GROUP)
+    assert first.updates == second.updates == 1
+    # each mini-batch's loss is the mean over its own episodes (the gradient norm sees the scale; AdamW does not)
+    assert stats.grad_norm == pytest.approx((first.grad_norm + second.grad_norm) / 2, rel=1e-5)
+    assert stats.loss == pytest.approx((first.loss + second.loss) / 2, rel=1e-5, abs=1e-9)
+    a, b = split.adapter_state(), in_turn.adapter_state()
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
+    # and not what miniBatches 1 gives: one step over both groups
+    whole = Learner(make_tiny_job(tiny_checkpoint, algorithm={**algorithm, "mazesPerStep": 2},
+                                  environment={"maxTurns": 3}), None, str(tiny_checkpoint.parent))
+    assert whole.update(trajs, GROUP).updates == 1
+    c = whole.adapter_state()
+    assert max(float((a[k] - c[k]).abs().max()) for k in a) > 1e-4
+
+
+def test_a_mini_batch_without_signal_makes_no_step(tiny_checkpoint):  # noqa: F811
+    """Group 0 mixed, group 1 all failures: with miniBatches 2 only the first mini-batch steps, and the adapter is
+    the one a plain update on group 0 alone gives (AdamW with a zero gradient would still move it)."""
+    job = make_tiny_job(tiny_checkpoint, algorithm={"learningRate": 0.01, "mazesPerStep": 2, "miniBatches": 2},
+                        environment={"maxTurns": 3})
+    split = Learner(job, None, str(tiny_checkpoint.parent))
+    trajs = _rollouts(split, job)
+    for t in trajs[GROUP:]:
+        t.reward = 0.0
+    stats = split.update(trajs, GROUP)
+    assert stats.updates == 1 and stats.zero_variance_groups == 1 and not stats.skipped
+    alone = Learner(make_tiny_job(tiny_checkpoint, algorithm={"learningRate": 0.01, "mazesPerStep": 1},
+                                  environment={"maxTurns": 3}), None, str(tiny_checkpoint.parent))
+    alone.update(trajs[:GROUP], GROUP)
+    a, b = split.adapter_state(), alone.adapter_state()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
+
+
+def test_groups_that_do_not_split_into_the_mini_batches_are_refused(tiny_checkpoint):  # noqa: F811
+    job = make_tiny_job(tiny_checkpoint, algorithm={"mazesPerStep": 2, "miniBatches": 2}, environment={"maxTurns": 3})
+    learner = Learner(job, None, str(tiny_checkpoint.parent))
+    trajs = _rollouts(learner, job)
+    with pytest.raises(ValueError, match="do not split into 2 mini-batches"):
+        learner.update(trajs[:6], 2)  # 3 groups of 2
+
+
 def test_all_equal_rewards_skip_the_update(tiny_checkpoint):  # noqa: F811
     job = make_tiny_job(tiny_checkpoint, algorithm={"iterationsPerStep": 3}, environment={"maxTurns": 2})
     learner = Learner(job, None, str(tiny_checkpoint.parent))

@@ -116,7 +116,8 @@ class UpdateStats:
     skipped: bool
     seconds: float
     updates: int = 1
-    """Optimizer updates made (``iterationsPerStep`` minus any skipped for a non-finite gradient)."""
+    """Optimizer updates made (``iterationsPerStep`` x ``miniBatches``, minus mini-batches without signal and any
+    update skipped for a non-finite gradient)."""
     learning_rate: float | None = None
     """The AdamW learning rate of this step (:func:`daedalus_trainer.grpo.learning_rate_at`)."""
 
@@ -192,16 +193,18 @@ class Learner:
 
         Rewards -> group-relative advantages -> clipped policy loss on the assistant tokens of every turn (the
         episode's advantage broadcast to all of them, plus ``stepAdvantageWeight`` times GiGPO's step-level advantage
-        of the turn, :func:`daedalus_trainer.grpo.step_advantages`) -> gradient clipping -> AdamW,
-        ``iterationsPerStep`` times over the same rollouts (the behaviour log-probs stay those recorded at sampling
-        time). An episode is trained on if its group's rewards differ, any of its turns has a non-zero step-level
-        advantage, or a KL term is on; the others carry no signal (plain GRPO: the groups whose rewards are all
-        equal). If no episode is left, the step is skipped.
+        of the turn, :func:`daedalus_trainer.grpo.step_advantages`) -> gradient clipping -> AdamW, once per
+        mini-batch (``miniBatches`` splits the groups, in order, into that many mini-batches of whole groups; the loss
+        of each is its own mean), ``iterationsPerStep`` passes over the same rollouts (the behaviour log-probs stay
+        those recorded at sampling time). An episode is trained on if its group's rewards differ, any of its turns
+        has a non-zero step-level advantage, or a KL term is on; the others carry no signal (plain GRPO: the groups
+        whose rewards are all equal). If no episode is left, the step is skipped.
 
         Raises:
-            ValueError: ``len(trajectories)`` is not a multiple of ``group_size``; with ``stepAdvantageWeight`` > 0,
-                an episode's reward is not the sum of its turns' rewards (the step returns are computed from the
-                turns', the episode advantage from the episode's).
+            ValueError: ``len(trajectories)`` is not a multiple of ``group_size``, or its groups do not split into
+                ``miniBatches`` mini-batches; with ``stepAdvantageWeight`` > 0, an episode's reward is not the sum
+                of its turns' rewards (the step returns are computed from the turns', the episode advantage from the
+                episode's).
         """
         from daedalus_trainer.grpo import group_advantages, grpo_loss, learning_rate_at, step_advantages
 
@@ -216,6 +219,11 @@ class Learner:
         n = len(trajectories)
         if group_size < 1 or n % group_size:
             raise ValueError(f"{n} trajectories do not form groups of {group_size}")
+        mini = int(algo.mini_batches)
+        n_groups = n // group_size
+        if n_groups % mini:
+            raise ValueError(f"{n_groups} groups do not split into {mini} mini-batches (algorithm.miniBatches must "
+                             "divide algorithm.mazesPerStep)")
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32).view(-1, group_size)
         adv, zero_var = group_advantages(rewards, algo.advantage_norm)
         adv = adv.flatten()
@@ -239,78 +247,90 @@ class Learner:
             return UpdateStats(None, None, None, None, 0, 0, n_zero, True, time.perf_counter() - started, updates=0,
                                learning_rate=lr)
 
-        # Micro-batches of whole episodes (an episode's turns stay together, which the per-episode aggregations need).
-        chunks: list[list[int]] = [[]]
-        rows_in_chunk = 0
-        for e in episodes:
-            rows = len(trajectories[e].turns)
-            if chunks[-1] and rows_in_chunk + rows > self.micro_batch:
-                chunks.append([])
-                rows_in_chunk = 0
-            chunks[-1].append(e)
-            rows_in_chunk += rows
+        mb_size = n // mini  # episodes per mini-batch, whole groups
+        # token-mean divides by every assistant token of the mini-batch's rollouts, zero-variance groups included
+        # (they add nothing to the policy-gradient sum): the same scale whether or not a KL term makes them part of
+        # the batch
+        mb_tokens = [sum(len(turn.completion_ids) for t in trajectories[m * mb_size:(m + 1) * mb_size]
+                         for turn in t.turns) for m in range(mini)]
         total_tokens = sum(len(turn.completion_ids) for e in episodes for turn in trajectories[e].turns)
-        # token-mean divides by every assistant token of the step, those of zero-variance groups included (they add
-        # nothing to the policy-gradient sum): the same scale whether or not a KL term makes them part of the batch
-        batch_tokens = sum(len(turn.completion_ids) for t in trajectories for turn in t.turns)
 
-        # Collate once: the batches, behaviour log-probs and (with a KL term) reference log-probs are the same for
-        # every iteration over this rollout batch.
-        prepared = []
+        # Micro-batches of whole episodes (an episode's turns stay together, which the per-episode aggregations
+        # need), each within one mini-batch. Collated once: the batches, behaviour log-probs and (with a KL term)
+        # reference log-probs are the same for every iteration over this rollout batch.
         device = self.policy.device
-        for chunk in chunks:
-            seqs, old_rows, row_adv, row_ep = [], [], [], []
-            for e in chunk:
-                for turn, a in zip(trajectories[e].turns, turn_adv[e]):
-                    seqs.append(turn.sequence())
-                    old_rows.append(turn.logprobs)
-                    row_adv.append(a)
-                    row_ep.append(e)
-            batch = self.policy.collate(seqs)
-            old = torch.zeros(batch.assistant_mask.shape, dtype=torch.float32)
-            for i, s in enumerate(seqs):
-                start = len(s.prompt_ids)
-                old[i, start : start + len(s.completion_ids)] = torch.tensor(old_rows[i], dtype=old.dtype)
-            ref = None
-            if use_kl:
-                with torch.no_grad():
-                    ref = self.policy.reference_logprobs(batch, algo.temperature)
-            prepared.append((batch, old.to(device), torch.tensor(row_adv, device=device),
-                             torch.tensor(row_ep, dtype=torch.long, device=device), ref, len(seqs)))
+        prepared: list[list[tuple]] = [[] for _ in range(mini)]
+        for m in range(mini):
+            chunks: list[list[int]] = [[]]
+            rows_in_chunk = 0
+            for e in (e for e in episodes if e // mb_size == m):
+                rows = len(trajectories[e].turns)
+                if chunks[-1] and rows_in_chunk + rows > self.micro_batch:
+                    chunks.append([])
+                    rows_in_chunk = 0
+                chunks[-1].append(e)
+                rows_in_chunk += rows
+            for chunk in (c for c in chunks if c):
+                seqs, old_rows, row_adv, row_ep = [], [], [], []
+                for e in chunk:
+                    for turn, a in zip(trajectories[e].turns, turn_adv[e]):
+                        seqs.append(turn.sequence())
+                        old_rows.append(turn.logprobs)
+                        row_adv.append(a)
+                        row_ep.append(e - m * mb_size)  # the episode's index within its mini-batch
+                batch = self.policy.collate(seqs)
+                old = torch.zeros(batch.assistant_mask.shape, dtype=torch.float32)
+                for i, s in enumerate(seqs):
+                    start = len(s.prompt_ids)
+                    old[i, start : start + len(s.completion_ids)] = torch.tensor(old_rows[i], dtype=old.dtype)
+                ref = None
+                if use_kl:
+                    with torch.no_grad():
+                        ref = self.policy.reference_logprobs(batch, algo.temperature)
+                prepared[m].append((batch, old.to(device), torch.tensor(row_adv, device=device),
+                                    torch.tensor(row_ep, dtype=torch.long, device=device), ref, len(seqs)))
 
         iterations = int(algo.iterations_per_step)
         kl_sum = clip_sum = loss_sum = norm_sum = 0.0
-        updates = 0
+        updates = losses = 0
         # Dropout stays off (eval mode): the engine sampled with it off, so on-policy the ratio is exactly 1 and a
         # resumed run repeats the same update; ``lora.dropout`` acts in SFT only.
         self.policy.model.eval()
         for _ in range(iterations):
-            self.optimizer.zero_grad(set_to_none=True)
-            for batch, old, row_adv, row_ep, ref, _n in prepared:
-                logprobs = self.policy.response_logprobs(batch, algo.temperature)  # [B, T]
-                chunk_tokens = int(batch.assistant_mask.sum())
-                loss, st = grpo_loss(
-                    logprobs, old, row_adv, batch.assistant_mask, row_ep,
-                    clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
-                    ref_logprobs=ref, kl_coef=algo.kl_coef, aggregation=algo.loss_aggregation.value, num_episodes=n,
-                )
-                if algo.loss_aggregation.value == "token-mean":
-                    loss = loss * (chunk_tokens / max(batch_tokens, 1))  # the mean over all tokens, accumulated
-                loss.backward()
-                loss_sum += float(loss.detach())
-                kl_sum += st.kl * chunk_tokens
-                clip_sum += st.clip_fraction * chunk_tokens
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, algo.max_grad_norm))
-            if math.isfinite(grad_norm):
-                self.optimizer.step()
-                updates += 1
-                norm_sum += grad_norm
+            for m in range(mini):
+                if not prepared[m]:
+                    continue  # every group of this mini-batch has equal rewards: no signal, no optimizer step
+                self.optimizer.zero_grad(set_to_none=True)
+                mb_loss = 0.0
+                for batch, old, row_adv, row_ep, ref, _n in prepared[m]:
+                    logprobs = self.policy.response_logprobs(batch, algo.temperature)  # [B, T]
+                    chunk_tokens = int(batch.assistant_mask.sum())
+                    loss, st = grpo_loss(
+                        logprobs, old, row_adv, batch.assistant_mask, row_ep,
+                        clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
+                        ref_logprobs=ref, kl_coef=algo.kl_coef, aggregation=algo.loss_aggregation.value,
+                        num_episodes=mb_size,
+                    )
+                    if algo.loss_aggregation.value == "token-mean":
+                        loss = loss * (chunk_tokens / max(mb_tokens[m], 1))  # the mean over all tokens, accumulated
+                    loss.backward()
+                    mb_loss += float(loss.detach())
+                    kl_sum += st.kl * chunk_tokens
+                    clip_sum += st.clip_fraction * chunk_tokens
+                loss_sum += mb_loss
+                losses += 1
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, algo.max_grad_norm))
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                    updates += 1
+                    norm_sum += grad_norm
         self.optimizer.zero_grad(set_to_none=True)
-        sequences = sum(p[-1] for p in prepared)
+        sequences = sum(p[-1] for mb in prepared for p in mb)
         per_token = max(total_tokens, 1) * iterations
         return UpdateStats(
-            # Means over the iterations. Without a KL term no reference forward runs: report no KL rather than 0.
-            loss=loss_sum / iterations, kl=kl_sum / per_token if use_kl else None,
+            # Means over the optimizer updates' losses and the tokens. Without a KL term no reference forward runs:
+            # report no KL rather than 0.
+            loss=loss_sum / max(losses, 1), kl=kl_sum / per_token if use_kl else None,
             grad_norm=norm_sum / updates if updates else float("nan"),
             clip_fraction=clip_sum / per_token, tokens=total_tokens, sequences=sequences,
             zero_variance_groups=n_zero, skipped=updates == 0, seconds=time.perf_counter() - started,

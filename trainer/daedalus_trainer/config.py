@@ -154,8 +154,15 @@ class AlgorithmSpec(_Model):
     """Policy updates per batch of rollouts (mu of DeepSeekMath's Algorithm 1; TRL's `num_iterations`). Above 1 the
     later updates are off-policy and the clipped ratio bounds how far each moves; rollouts cost most of a step, so
     reusing them is cheap."""
+    mini_batches: int = Field(1, ge=1, le=4096, strict=True)
+    """Optimizer updates per pass over a batch of rollouts: the batch's groups are split, in order, into this many
+    mini-batches of whole groups and each makes one AdamW step (PPO's minibatches, Schulman et al. 2017,
+    arXiv:1707.06347; verl's `ppo_mini_batch_size`). Must divide `mazesPerStep`. Above 1 the later mini-batches
+    are off-policy, as with `iterationsPerStep`, for no extra forward passes; a mini-batch whose groups all have
+    equal rewards makes no step."""
     steps: int = Field(100, ge=1, le=10_000_000, strict=True)
-    """Number of GRPO steps (batches of rollouts; each makes `iterationsPerStep` optimizer updates)."""
+    """Number of GRPO steps (batches of rollouts; each makes `iterationsPerStep` x `miniBatches` optimizer
+    updates)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """`constant`: `learningRate` at every step; `cosine`: half a cosine from `learningRate` at step 1 down to 0
     after step `steps` (Loshchilov & Hutter 2017, SGDR, without restarts). A function of the step alone, so a
@@ -678,6 +685,13 @@ CEL_RULES: list[CelRule] = [
         _LAYOUT_MESSAGE,
         lambda s: _layouts_ok(s.environment.size, s.environment.eval_mazes),
         field_path=".evalMazes",
+    ),
+    CelRule(
+        "spec.algorithm",
+        "self.mazesPerStep % self.miniBatches == 0",
+        "algorithm.miniBatches must divide algorithm.mazesPerStep (each mini-batch holds whole groups)",
+        lambda s: s.algorithm.mazes_per_step % s.algorithm.mini_batches == 0,
+        field_path=".miniBatches",
     ),
     CelRule(
         "spec.lora",
