@@ -36,9 +36,12 @@ class _QuietTimer(logging.Filter):
                                                         or (msg.startswith("Indexer '") and msg.endswith("succeeded."))))
 
 
+#: ``--help``'s description: the module docstring's first paragraphs without their reStructuredText markup.
+DESCRIPTION = "\n\n".join(__doc__.split("\n\n")[:2]).replace("``", "").replace(":func:", "")
+
 def build_parser() -> argparse.ArgumentParser:
     """The operator's argument parser."""
-    p = argparse.ArgumentParser(prog="daedalus operator", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="daedalus operator", description=DESCRIPTION,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",

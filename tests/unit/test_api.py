@@ -178,7 +178,7 @@ def test_wrong_api_version_is_one_error_that_names_both_versions():
 def test_unknown_field_is_an_error():
     with pytest.raises(c.SpecError) as info:
         c.parse_job(_set(_local(), "spec.algorithm.groupSzie", 4))
-    assert ("spec.algorithm.groupSzie", "Extra inputs are not permitted") in info.value.errors
+    assert ("spec.algorithm.groupSzie", "unknown field (did you mean 'groupSize'?)") in info.value.errors
 
 
 def test_validate_cli_reports_paths(tmp_path):
@@ -194,17 +194,19 @@ def test_validate_cli_reports_paths(tmp_path):
 
 def test_validate_cli_checks_every_document_and_prints_messages_literally(tmp_path):
     """A later broken document is not hidden by a valid first one; a missing name is reported as the API server
-    would; a pattern in a message keeps its brackets (rich markup is escaped)."""
+    would; a list in a message keeps its brackets (rich markup is escaped)."""
     nameless = _local()
     del nameless["metadata"]
     badname = _set(_local(), "metadata.name", "-bad-")
+    vision = _set(_local(), "spec.lora.targetModules", ["visual.qkv"])
     f = tmp_path / "jobs.yaml"
-    f.write_text(yaml.safe_dump_all([_local(), nameless, badname]))
+    f.write_text(yaml.safe_dump_all([_local(), nameless, badname, vision]))
     out = subprocess.run([sys.executable, "-m", "daedalus_trainer", "validate", str(f)], capture_output=True, text=True)
     assert out.returncode == 1
-    assert "document 1 of 3): RLTrainingJob 'local-tiny' is valid" in out.stdout
-    assert "document 2 of 3): 1 error(s)" in out.stdout and "metadata.name: required" in out.stdout
-    assert "'^[a-z0-9]([-a-z0-9]*[a-z0-9])?$'" in out.stdout, out.stdout
+    assert "document 1 of 4): RLTrainingJob 'local-tiny' is valid" in out.stdout
+    assert "document 2 of 4): 1 error(s)" in out.stdout and "metadata.name: required" in out.stdout
+    assert "lowercase DNS label" in out.stdout and "got '-bad-'" in out.stdout
+    assert "['visual.qkv']" in out.stdout, out.stdout
 
 
 def test_malformed_yaml_is_a_spec_error(tmp_path):

@@ -67,7 +67,7 @@ def test_manifests_are_read_as_the_api_server_reads_them():
     cases = [
         (("algorithm", "learningRate", "0.002"), "spec.algorithm.learningRate", "unquote it"),
         (("model", "tiny", "true"), "spec.model.tiny", "unquote it"),
-        (("algorithm", "group_size", 8), "spec.algorithm.group_size", "Extra inputs are not permitted"),
+        (("algorithm", "group_size", 8), "spec.algorithm.group_size", "the API spells it 'groupSize' (camelCase)"),
         (("cluster", "head", {"cpu": "2", "memory": "lots"}), "spec.cluster.head.memory", "Kubernetes quantity"),
         (("cluster", "head", {"cpu": 2, "memory": "4Gi"}), "spec.cluster.head.cpu", "quote it"),
     ]
@@ -83,6 +83,117 @@ def test_manifests_are_read_as_the_api_server_reads_them():
     parsed = c.parse_job(job)
     assert parsed.spec.algorithm.learning_rate == 1.0 and parsed.spec.cluster.head.cpu == "500m"
     assert parsed.spec.algorithm.loss_aggregation.value == job["spec"]["algorithm"]["lossAggregation"]
+
+
+def _write(tmp_path, text: str, name: str = "job.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _example_with(old: str, new: str) -> str:
+    text = (ROOT / "examples" / "local-tiny.yaml").read_text()
+    assert old in text
+    return text.replace(old, new, 1)
+
+
+def test_yaml_is_read_as_kubectl_reads_it(tmp_path):
+    """`2e-3` is a number (YAML 1.2, Kubernetes' decoder; PyYAML alone reads a string); a key given twice is an
+    error naming the file and both lines (kubectl refuses it) instead of the last one silently winning."""
+    job = c.load_job(_write(tmp_path, _example_with("learningRate: 0.002", "learningRate: 2e-3")))
+    assert job.spec.algorithm.learning_rate == 0.002
+    job = c.load_job(_write(tmp_path, _example_with("learningRate: 0.002", "learningRate: 1E-3")))
+    assert job.spec.algorithm.learning_rate == 0.001
+    quoted = _write(tmp_path, _example_with("learningRate: 0.002", 'learningRate: "2e-3"'))
+    with pytest.raises(c.SpecError) as info:
+        c.load_job(quoted)
+    assert any(p == "spec.algorithm.learningRate" and "unquote it" in m for p, m in info.value.errors)
+
+    dup = _write(tmp_path, _example_with("    steps: 48 ", "    steps: 4\n    steps: 48 "), "dup.yaml")
+    with pytest.raises(c.SpecError) as info:
+        c.load_job(dup)
+    (path, message), = info.value.errors
+    assert path == "(yaml)" and "found duplicate key 'steps'" in message
+    assert str(dup) in message  # the marks name the file, not "<unicode string>"
+    lines = [i + 1 for i, line in enumerate(dup.read_text().splitlines()) if line.startswith("    steps:")]
+    assert f"first given on line {lines[0]}" in message and f"line {lines[1]}, column" in message
+
+
+def test_unknown_and_misplaced_fields_say_where_they_belong():
+    cases = [
+        # (where the key goes, key, error path, message fragment)
+        ((), "suspend", "suspend", "'suspend' is a field of 'spec' (spec.suspend)"),
+        (("spec", "algorithm"), "batch_size", "spec.algorithm.batch_size", "is a field of 'spec.sft'"),
+        (("spec", "algorithm"), "learningrate", "spec.algorithm.learningrate", "the API spells it 'learningRate'"),
+        (("spec", "algorithm"), "learnignRate", "spec.algorithm.learnignRate", "did you mean 'learningRate'"),
+        ((), "annotations", "annotations", "the fields here are apiVersion, kind, metadata, spec, status"),
+    ]
+    for where, key, path, fragment in cases:
+        job = tiny_job_dict()
+        node = job
+        for part in where:
+            node = node[part]
+        node[key] = 1
+        with pytest.raises(c.SpecError) as info:
+            c.parse_job(job)
+        assert info.value.errors == [(path, info.value.errors[0][1])] and fragment in info.value.errors[0][1], \
+            info.value.errors
+
+
+def test_a_misspelt_or_missing_spec_is_reported_as_such():
+    job = tiny_job_dict()
+    job["spc"] = job.pop("spec")
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(job)
+    paths = dict(info.value.errors)
+    assert set(paths) == {"spc", "spec"}  # not the defaults' "model.path is required"
+    assert "did you mean 'spec'" in paths["spc"] and paths["spec"].startswith("required")
+
+
+def test_another_kind_is_one_error_about_the_kind(tmp_path):
+    cm = _write(tmp_path, "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\ndata: {a: b}\n")
+    with pytest.raises(c.SpecError) as info:
+        c.load_job(cm)
+    assert dict(info.value.errors) == {"kind": "expected 'RLTrainingJob', got 'ConfigMap'",
+                                       "apiVersion": "expected 'daedalus.dev/v1alpha1', got 'v1'"}
+
+
+def test_messages_name_the_value_and_the_rule():
+    cases = [
+        (("metadata", "name"), "Local_Tiny", "metadata.name", "lowercase DNS label", "'Local_Tiny'"),
+        (("spec", "checkpoint"), None, "spec.checkpoint", "must be a mapping", "empty value"),
+        (("spec", "algorithm", "lrSchedule"), "linear", "spec.algorithm.lrSchedule", "'constant' or 'cosine'",
+         "(got 'linear')"),
+        (("spec", "algorithm", "groupSize"), "eight", "spec.algorithm.groupSize", "valid integer", "(got 'eight')"),
+        (("spec", "algorithm", "groupSize"), 1, "spec.algorithm.groupSize", "greater than or equal to 2", "(got 1)"),
+    ]
+    for where, value, path, rule, shown in cases:
+        job = tiny_job_dict()
+        node = job
+        for part in where[:-1]:
+            node = node.setdefault(part, {})
+        node[where[-1]] = value
+        with pytest.raises(c.SpecError) as info:
+            c.parse_job(job)
+        messages = [m for p, m in info.value.errors if p == path]
+        assert messages and rule in messages[0] and shown in messages[0], info.value.errors
+
+
+def test_an_empty_list_holds_no_job(tmp_path, capsys):
+    """`kubectl get rltj -A -o yaml` where there are no jobs: validate says so (exit 0: nothing is invalid), a
+    command that needs a job refuses it."""
+    empty = _write(tmp_path, "apiVersion: v1\nkind: List\nitems: []\n")
+    assert c.load_documents(empty) == []
+    with pytest.raises(c.SpecError, match="holds no items"):
+        c.load_job(empty)
+    assert cli.main(["validate", str(empty)]) == 0
+    assert "a List with no items: no RLTrainingJob to validate" in capsys.readouterr().out
+
+
+def test_no_command_prints_the_whole_help(capsys):
+    assert cli.main([]) == 2
+    out = capsys.readouterr().out
+    assert "daedalus run examples/local-tiny.yaml" in out and "validate" in out and "operator" in out
 
 
 def test_start_fingerprint_follows_weights_and_evaluation_settings(tmp_path, monkeypatch):

@@ -54,6 +54,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         except SpecError as exc:
             docs, status = [], 1
             _print_errors(console, f, exc.errors)
+        else:
+            if not docs:  # a `kind: List` without items, e.g. `kubectl get rltj -A -o yaml` where there are no jobs
+                console.print(f"- {escape(f)}: a List with no items: no RLTrainingJob to validate")
         for i, doc in enumerate(docs):
             where = f if len(docs) == 1 else f"{f} (RLTrainingJob document {i + 1} of {len(docs)})"
             errors = []
@@ -78,7 +81,8 @@ def _print_errors(console, where: str, errors) -> None:
 
     console.print(f"[red]✗[/red] {escape(where)}: {len(errors)} error(s)")
     for path, msg in errors:
-        console.print(f"    [bold]{escape(str(path))}[/bold]: {escape(str(msg))}")
+        text = escape(str(msg)).replace("\n", "\n        ")  # a YAML error's lines under its first one
+        console.print(f"    [bold]{escape(str(path))}[/bold]: {text}")
 
 
 def _cmd_maze(args: argparse.Namespace) -> int:
@@ -102,11 +106,10 @@ def _single_threaded_torch() -> None:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
+    job = _load(args.config)  # a typo in the YAML is reported before seconds of imports
     from daedalus_trainer import sft
 
     _single_threaded_torch()
-
-    job = _load(args.config)
     out = Path(args.out) if args.out else Path("runs") / job.metadata.name / "sft"
     model_dir = sft.run_sft(job, out, resume=not args.no_resume)
     print(f"SFT model written to {model_dir}")
@@ -114,11 +117,10 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    job = _load(args.config)  # a typo in the YAML is reported before seconds of imports
     from daedalus_trainer import evaluation
 
     _single_threaded_torch()
-
-    job = _load(args.config)
     if args.json:  # before minutes of evaluation, not after
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     report = evaluation.run_eval(
@@ -201,7 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="metrics/control HTTP port (0: pick a free one; default $DAEDALUS_METRICS_PORT, else 9400)")
     s.set_defaults(func=_cmd_run)
 
-    s = sub.add_parser("train", help="GRPO training (what the Ray job runs on a cluster)")
+    s = sub.add_parser("train", help="GRPO training (what the Ray job runs on a cluster)",
+                       description="GRPO training of the job in --config: what the operator's Ray job runs on the "
+                       "RayCluster (the config is the job spec the operator writes to a ConfigMap). It attaches to the "
+                       "running Ray, or starts a local one. On a laptop use `daedalus run JOB.yaml` instead: it adds "
+                       "SFT, evaluation and the report around this.")
     s.add_argument("--config", required=True, help="job spec as YAML or JSON (the operator's ConfigMap)")
     s.add_argument("--resume", default="latest", type=_resume_option,
                    help="latest (default) | none | PATH of a checkpoint (directory step-NNNNNN or a checkpoints/ root)")
@@ -210,13 +216,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default <checkpoint.path>/<namespace>/<name>)")
     s.set_defaults(func=_cmd_train)
 
-    s = sub.add_parser("sft", help="supervised fine-tuning on solver demonstrations (the GRPO starting point)")
+    s = sub.add_parser("sft", help="supervised fine-tuning: the GRPO starting point",
+                       description="Supervised fine-tuning with the job's `sft` section: solver demonstrations on the "
+                       "training layouts and, with `sft.onPolicyFraction` > 0, the policy's own states labelled with "
+                       "the solver's move (DAgger). Stops at `sft.steps` or `sft.maxSeconds`, whichever comes first; "
+                       "resumes from its own checkpoint. Writes OUT/model (default runs/<name>/sft/model).")
     s.add_argument("config", help="RLTrainingJob YAML")
     s.add_argument("--out", default=None, help="output directory (default runs/<name>/sft)")
     s.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
     s.set_defaults(func=_cmd_sft)
 
-    s = sub.add_parser("eval", help="evaluate a model (and adapter) on the held-out mazes")
+    s = sub.add_parser("eval", help="evaluate a model (and adapter) on the held-out mazes",
+                       description="Greedy (and sampled) success on the job's held-out layouts, with 95% intervals. "
+                       "Example: daedalus eval examples/local-tiny.yaml --model runs/local-tiny/sft/model "
+                       "--adapter runs/local-tiny/exports/adapter")
     s.add_argument("config", help="RLTrainingJob YAML (environment and eval set)")
     s.add_argument("--model", required=True, help="model directory (a full checkpoint, e.g. runs/<name>/sft/model)")
     s.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory")
@@ -231,15 +244,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gif", default=None, help="write animated GIFs of some episodes to this directory")
     s.set_defaults(func=_cmd_eval)
 
-    s = sub.add_parser("validate", help="validate RLTrainingJob files (every error with its field path)")
+    s = sub.add_parser("validate", help="validate RLTrainingJob files (every error with its field path)",
+                       description="Check RLTrainingJob files against the API as the API server would (types strict, "
+                       "unknown fields and duplicate keys rejected, the CRD's cross-field rules), without a cluster. "
+                       "A file may hold several documents or a `kind: List` (`kubectl get rltj -A -o yaml`). Exit "
+                       "status 1 when any document is invalid.")
     s.add_argument("files", nargs="+", help="YAML files (each may hold several documents)")
     s.set_defaults(func=_cmd_validate)
 
-    s = sub.add_parser("crd", help="print the RLTrainingJob CustomResourceDefinition generated from the API models")
+    s = sub.add_parser("crd", help="print the RLTrainingJob CustomResourceDefinition generated from the API models",
+                       description="The RLTrainingJob CRD (OpenAPI schema, defaults, CEL rules, printer columns) "
+                       "generated from the pydantic API; crds/ and the chart's copy are this output (`make crds`).")
     s.add_argument("--out", action="append", help="write to this file instead of stdout (repeatable)")
     s.set_defaults(func=_cmd_crd)
 
-    s = sub.add_parser("maze", help="render a maze to PNG and print the ASCII map and the solver's solution")
+    s = sub.add_parser("maze", help="render a maze to PNG and print the ASCII map and the solver's solution",
+                       description="Generate the maze a seed gives (the one Maze2DEnv(size).reset(seed=SEED) starts "
+                       "with), print its map and shortest solution, and write its picture with --out.")
     s.add_argument("--size", type=int, default=9, help="odd side length including walls (default 9)")
     s.add_argument("--seed", type=int, default=0, help="maze seed (default 0; the same seed gives the same maze)")
     s.add_argument("--out", default=None, help="write the rendered PNG here (default: no PNG, text only)")
@@ -261,7 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "operator":  # everything after it belongs to the operator's own parser (-A, --help, ...)
         return _cmd_operator(argparse.Namespace(operator_args=argv[1:]))
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not argv:  # the whole help, its examples included, rather than argparse's one-line "required" error
+        parser.print_help()
+        return 2
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

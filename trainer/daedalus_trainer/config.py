@@ -14,7 +14,10 @@ single list both are derived from, and a test evaluates every rule with a CEL in
 
 from __future__ import annotations
 
+import difflib
 import enum
+import io
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -226,13 +229,15 @@ class EnvironmentSpec(_Model):
 
 
 class SFTSpec(_Model):
-    """Supervised fine-tuning on solver demonstrations, run by `daedalus sft` or by `daedalus run` when
-    `model.sftAdapter` is absent and the model is tiny."""
+    """Supervised fine-tuning on solver demonstrations (and, with `onPolicyFraction`, on the policy's own states
+    labelled by the solver: DAgger), run by `daedalus sft` or by `daedalus run` when `model.sftAdapter` is absent and
+    the model is tiny."""
 
     steps: int = Field(3000, ge=0, le=10_000_000, strict=True)
     """Maximum optimizer steps."""
-    max_seconds: float = Field(330.0, ge=0)
-    """Wall-clock budget in seconds (the run stops at whichever of steps / maxSeconds comes first; 0 = no limit)."""
+    max_seconds: float = Field(0.0, ge=0)
+    """Wall-clock budget in seconds (the run stops at whichever of steps / maxSeconds comes first; 0, the default,
+    is no limit: a laptop demo such as examples/local-tiny.yaml sets one so that a slow machine still finishes)."""
     batch_size: int = Field(32, ge=1, le=4096, strict=True)
     """Demonstration turns per optimizer step."""
     learning_rate: float = Field(1e-3, gt=0, le=1.0)
@@ -285,6 +290,8 @@ class Toleration(_Model):
 #: ``resource.Quantity`` (k8s.io/apimachinery/pkg/api/resource), as KubeRay's CRD and ``kubectl explain`` give it.
 QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+"
                     r"(\.[0-9]*)?)|(\.[0-9]+))))?$")
+#: A Kubernetes object name that must be a DNS label (RFC 1123), as `metadata.name` of a job and a worker group name.
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
 class HeadSpec(_Model):
@@ -299,7 +306,7 @@ class HeadSpec(_Model):
 class WorkerGroupSpec(_Model):
     """One KubeRay worker group."""
 
-    name: str = Field("gpu", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=40)
+    name: str = Field("gpu", pattern=DNS_LABEL_PATTERN, max_length=40)
     """Worker group name (DNS label)."""
     replicas: int = Field(1, ge=0, le=1000, strict=True)
     """Number of worker pods."""
@@ -580,16 +587,16 @@ class ObjectMeta(_Model):
 
     model_config = ConfigDict(extra="allow")
 
-    name: str = Field("local", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    name: str = Field("local", pattern=DNS_LABEL_PATTERN, max_length=63)
     """Job name (DNS label)."""
     namespace: str = "default"
     """Namespace."""
 
 
 class RLTrainingJob(_Model):
-    """An RL post-training job: `apiVersion: daedalus.dev/v1alpha1`, `kind: RLTrainingJob`."""
-
-    model_config = ConfigDict(extra="ignore")
+    """An RL post-training job: `apiVersion: daedalus.dev/v1alpha1`, `kind: RLTrainingJob`. Unknown top-level keys
+    are errors, as ``kubectl apply``'s strict field validation makes them (a `suspend:` meant for `spec` is not
+    silently dropped)."""
 
     api_version: Literal["daedalus.dev/v1alpha1"] = API_VERSION
     """API version."""
@@ -730,8 +737,99 @@ class SpecError(ValueError):
 
     def __init__(self, errors: list[tuple[str, str]], source: str = "RLTrainingJob"):
         self.errors = errors
-        lines = "\n".join(f"  {p}: {m}" for p, m in errors)
+        lines = "\n".join(f"  {p}: " + str(m).replace("\n", "\n      ") for p, m in errors)
         super().__init__(f"{source}: {len(errors)} error(s)\n{lines}")
+
+
+class ManifestLoader(yaml.SafeLoader):
+    """YAML as ``kubectl`` reads a manifest, where PyYAML (YAML 1.1) differs in ways that matter to a job spec:
+
+    - a float written without a dot, ``2e-3`` or ``1e5``, is a number (YAML 1.2's core schema, which Kubernetes'
+      YAML decoder follows); PyYAML alone reads a string and the spec would be rejected as "not a number";
+    - a key given twice in one mapping is an error (``kubectl apply`` refuses it) instead of the last one winning.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """:meth:`yaml.SafeLoader.construct_mapping` after a duplicate-key check of the keys written in ``node``.
+
+        Raises:
+            yaml.constructor.ConstructorError: a key appears twice (both lines named).
+        """
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<` merges: later keys may override merged ones, as YAML intends
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line)
+            except TypeError:  # an unhashable key: the base constructor reports it
+                continue
+            if first != key_node.start_mark.line:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+ManifestLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field annotation holds (``X``, ``X | None``, ``list[X]``), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _fields_of(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
+    """camelCase field name -> the model it holds (None for a plain value) of ``model``."""
+    return {(f.alias or to_camel(n)): _model_of(f.annotation) for n, f in model.model_fields.items()}
+
+
+def _all_field_paths(model: type[BaseModel], prefix: str = "") -> dict[str, str]:
+    """Every field name of the API under ``model`` -> the path of its first occurrence (``suspend`` -> ``spec.suspend``)."""
+    out: dict[str, str] = {}
+    for name, sub in _fields_of(model).items():
+        out.setdefault(name, prefix + name)
+        if sub is not None and name != "status":
+            for k, v in _all_field_paths(sub, prefix + name + ".").items():
+                out.setdefault(k, v)
+    return out
+
+
+def _unknown_field_message(loc: tuple) -> str:
+    """The message for the unknown field at ``loc`` (pydantic's location: names and list indices): the right
+    spelling when it is a snake_case or wrongly cased field of that object, the right place when it is a field of
+    another object, else the closest names (or all of them, when there are few)."""
+    model: type[BaseModel] | None = RLTrainingJob
+    for part in loc[:-1]:
+        if isinstance(part, str) and model is not None:
+            model = _fields_of(model).get(part)
+    name = str(loc[-1])
+    here = sorted(_fields_of(model)) if model is not None else []
+    camel = to_camel(name)
+    if camel != name and camel in here:
+        return f"unknown field: the API spells it {camel!r} (camelCase)"
+    folded = {k.lower(): k for k in here}
+    if name.lower() in folded:
+        return f"unknown field: the API spells it {folded[name.lower()]!r} (field names are case-sensitive)"
+    elsewhere = _all_field_paths(RLTrainingJob).get(camel)
+    if elsewhere and camel not in here:
+        return f"unknown field here: {camel!r} is a field of {elsewhere.rsplit('.', 1)[0]!r} ({elsewhere})"
+    close = difflib.get_close_matches(name, here, n=2, cutoff=0.6)
+    if close:
+        return "unknown field (did you mean " + " or ".join(repr(c) for c in close) + "?)"
+    if here and len(here) <= 8:
+        return "unknown field; the fields here are " + ", ".join(here)
+    return "unknown field (`kubectl explain` on the RLTrainingJob, or the CRD in crds/, lists the fields)"
 
 
 def _loc_to_path(loc: tuple) -> str:
@@ -749,7 +847,7 @@ def _unquoted(value: Any) -> Any:
     if not isinstance(value, str):
         return None
     try:
-        parsed = yaml.safe_load(value)
+        parsed = yaml.load(value, Loader=ManifestLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError:
         return None
     return parsed if isinstance(parsed, (bool, int, float)) else None
@@ -768,6 +866,18 @@ def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
             msg += f" (got the number {err['input']!r}: quote it)"
         elif err["type"] in ("float_type", "bool_type", "int_type") and _unquoted(err.get("input")) is not None:
             msg += f" (got the string {err['input']!r}: unquote it, the API server does not convert strings)"
+        elif err["type"] in ("float_type", "bool_type", "int_type", "int_from_float", "literal_error", "enum",
+                             "string_type", "greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+            msg += f" (got {err.get('input')!r})"
+        elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == DNS_LABEL_PATTERN:
+            msg = ("must be a lowercase DNS label: a-z, 0-9 and '-', starting and ending with a letter or digit "
+                   f"(RFC 1123); got {err.get('input')!r}")
+        elif err["type"] == "model_type" and err.get("input") is None:
+            msg = "must be a mapping; got an empty value (give the section fields, or leave it out for the defaults)"
+        elif err["type"] == "model_type":
+            msg = f"must be a mapping of fields; got {type(err.get('input')).__name__} {err.get('input')!r}"
+        elif err["type"] == "extra_forbidden":
+            msg = _unknown_field_message(tuple(err["loc"]))
         # Cross-field rules raise "<path>: message" lines from the model validator: lift the paths out.
         lines = msg.split("\n")
         if all(": " in line and line.split(": ", 1)[0].startswith("spec") for line in lines):
@@ -790,10 +900,19 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
         errors.append(("kind", f"expected {KIND!r}, got {obj.get('kind')!r}"))
     if obj.get("apiVersion", API_VERSION) != API_VERSION:
         errors.append(("apiVersion", f"expected {API_VERSION!r}, got {obj.get('apiVersion')!r}"))
+    if errors and obj.get("kind", KIND) != KIND:
+        raise SpecError(errors, source)  # another kind of object: its fields say nothing about a job's
+    # Top-level keys are checked here: a missing or misspelt `spec` would otherwise be validated as the defaults and
+    # reported as whatever those lack.
+    top = set(_fields_of(RLTrainingJob))
+    errors.extend((k, _unknown_field_message((k,))) for k in obj if k not in top)
+    if "spec" not in obj:
+        errors.append(("spec", "required: the job's desired state (model, algorithm, environment, ...)"))
+        raise SpecError(errors, source)
     # `status` is the operator's (an object read back from the API server carries it): it is read as JSON, not held
     # to the strict rules of what a user writes (its phase is a string there, never an enum instance).
     status = obj.get("status")
-    manifest = {k: v for k, v in obj.items() if k != "status"}
+    manifest = {k: v for k, v in obj.items() if k != "status" and k in top}
     try:
         # As the API server reads a manifest: types strict ("0.002" is not a number, "true" not a boolean) and only
         # the camelCase field names of the CRD (a snake_case key would be an unknown field there).
@@ -814,7 +933,8 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
 
 def load_documents(path: str | Path) -> list[Any]:
     """The RLTrainingJob documents of a YAML or JSON file (all documents whose kind is RLTrainingJob, the items of a
-    ``kind: List`` included; the first document when none says so, so that its validation names what is wrong).
+    ``kind: List`` included; the first document when none says so, so that its validation names what is wrong; none
+    for a ``List`` without items). Read with :class:`ManifestLoader`, as ``kubectl`` reads YAML.
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -832,13 +952,15 @@ def load_documents(path: str | Path) -> list[Any]:
         raise SpecError([("(file)", "is not UTF-8 text: expected a YAML or JSON file")], str(path)) from None
     except OSError as exc:
         raise SpecError([("(file)", f"cannot be read: {exc.strerror or exc}")], str(path)) from None
+    stream = io.StringIO(text)
+    stream.name = str(path)  # YAML error marks name the file
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml.load_all(stream, Loader=ManifestLoader) if d is not None]  # noqa: S506 (SafeLoader)
     except yaml.YAMLError as exc:
         raise SpecError([("(yaml)", str(exc))], str(path)) from None
     if not docs:
         raise SpecError([("(root)", "the file holds no document")], str(path))
-    # A `kind: List` (what `kubectl get rltj -o yaml` prints) stands for its items.
+    # A `kind: List` (what `kubectl get rltj -o yaml` prints) stands for its items; one without items holds no job.
     docs = [item for d in docs for item in (
         d.get("items") or [] if isinstance(d, dict) and str(d.get("kind", "")).endswith("List") else [d])]
     jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
@@ -850,6 +972,9 @@ def load_job(path: str | Path) -> RLTrainingJob:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        SpecError: the YAML is malformed or the job is invalid (every error with its field path).
+        SpecError: the YAML is malformed, holds no job, or the job is invalid (every error with its field path).
     """
-    return parse_job(load_documents(path)[0], source=str(path))
+    docs = load_documents(path)
+    if not docs:
+        raise SpecError([("(root)", "the List holds no items: no RLTrainingJob to read")], str(path))
+    return parse_job(docs[0], source=str(path))

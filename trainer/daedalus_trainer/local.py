@@ -92,6 +92,8 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
 
     from daedalus_trainer.config import load_job
 
+    started = time.perf_counter()
+    job = load_job(job_path)  # a typo in the YAML is reported before seconds of imports
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -100,8 +102,6 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     transformers.utils.logging.disable_progress_bar()  # per-save "Writing model shards" bars drown the real ones
     transformers.utils.logging.set_verbosity_error()
     console = Console()
-    started = time.perf_counter()
-    job = load_job(job_path)
     run_dir = Path(runs_dir) / job.metadata.name
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume != "latest":

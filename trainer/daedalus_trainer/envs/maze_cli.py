@@ -46,7 +46,9 @@ def run(size: int, seed: int, out: str | None, cell_px: int = 25, action_format:
         moves = solve(maze)
         lines = [format_action(move, action_format) for move in moves] + [format_action(STOP, action_format)]
     except ValueError as err:
-        print(f"daedalus maze: {err}", file=sys.stderr)
+        # the library names its parameters; say which flag was wrong
+        text = str(err).replace("cell_px", "--cell-px").replace("maze size", "--size").replace("seed must", "--seed must")
+        print(f"daedalus maze: {text}", file=sys.stderr)
         return 2
     print(
         f"Maze {maze.size}x{maze.size}, seed {seed}, layout {maze.layout_hash()}, start {maze.start}, "
