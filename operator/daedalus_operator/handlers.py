@@ -130,10 +130,13 @@ class Runtime:
             return self.made.setdefault(uid, Children())
 
     def lock_for(self, uid: str) -> threading.Lock:
+        """The lock that serialises the reconciles of job ``uid`` (created on first use, kept for the process)."""
         with self.guard:
             return self.locks.setdefault(uid, threading.Lock())
 
     def ray_jobs(self, url: str) -> RayJobs:
+        """The :class:`RayJobs` client of the dashboard at ``url``, cached per URL (created on first use, with
+        ``settings.request_timeout`` seconds per HTTP request)."""
         with self.guard:
             if url not in self.ray:
                 self.ray[url] = RayJobs(url, timeout=self.settings.request_timeout)
@@ -194,7 +197,11 @@ def _all_values(index: Any) -> dict[Any, dict]:
 
 def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
     """Everything the planner needs: RayCluster (index), pods and nodes (indexes), the Ray job and the trainer
-    (HTTP), the background checkpoint call, the RayService (index)."""
+    (HTTP), the background checkpoint call, the RayService (index).
+
+    Raises:
+        kopf.TemporaryError: a kopf index kept changing while it was copied (:func:`_copy_retrying`).
+    """
     key = (job.namespace, job.name)
     clusters = [c for c in _store_values(indexes.get("clusters_by_job"), key)
                 if (c.get("metadata") or {}).get("name") == api.raycluster_name(job.name)]
@@ -251,6 +258,10 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
     first ``EnsureChildren`` of a job costs API calls, later ones (the index lagging behind the new RayCluster, the
     resubmission of an attempt) none unless the ConfigMap data changed or the RayCluster was deleted.
     ``cluster_exists``: the kopf index shows the job's RayCluster.
+
+    Raises:
+        kube.KubeError: an API call failed (a create other than with 409 Conflict, or a get or patch).
+        ValueError: the job's spec is invalid (nothing can be built).
     """
     k = rt.kube
     made = rt.children(job.uid)
@@ -304,7 +315,11 @@ def network_policy_once(rt: Runtime, job: JobView) -> None:
 
 def ensure_network_policy(k: kube.KubeAPI, body: dict[str, Any]) -> None:
     """Create the job's NetworkPolicy; when it exists with another spec digest (written from other operator settings:
-    ``--metrics-namespace``, ``--operator-namespace``, the operator's pod labels), patch its spec and digest."""
+    ``--metrics-namespace``, ``--operator-namespace``, the operator's pod labels), patch its spec and digest.
+
+    Raises:
+        kube.KubeError: an API call failed (the create other than with 409 Conflict, or the get or patch).
+    """
     meta = body["metadata"]
     try:
         k.create(kube.NETWORKPOLICIES, meta["namespace"], body)
@@ -320,7 +335,16 @@ def ensure_network_policy(k: kube.KubeAPI, body: dict[str, Any]) -> None:
 
 
 def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: Any) -> None:
-    """Carry out one action. Raises on failure (the caller records it)."""
+    """Carry out one action. Raises on failure (the caller records it).
+
+    Raises:
+        RayUnreachable: no head address yet, or the Ray dashboard did not answer (``Submit``, ``StopJob``,
+            ``RequestCheckpoint``).
+        kube.KubeError: a Kubernetes API call failed (``EnsureChildren``, ``DeleteCluster``, ``DeletePods``,
+            ``EnsureServing``, reading the token Secret for ``RequestCheckpoint``).
+        RuntimeError: Ray refused a submission or a stop for another reason (the message says why).
+        ValueError: the job's spec is invalid, or its serving LoRA URI is not an object-store URI.
+    """
     k = rt.kube
     c = observed.cluster
     if isinstance(action, EnsureChildren):

@@ -110,11 +110,19 @@ class KubeAPI:
         return doc
 
     def version(self) -> dict:
-        """``GET /version`` (readable by every authenticated client under the default RBAC: system:discovery)."""
+        """``GET /version`` (readable by every authenticated client under the default RBAC: system:discovery).
+
+        Raises:
+            KubeError: the call failed (``status`` 0: no answer).
+        """
         return self._call("GET", "/version") or {}
 
     def get(self, key: str, namespace: str | None, name: str) -> dict | None:
-        """The object, or ``None`` when it does not exist."""
+        """The object, or ``None`` when it does not exist.
+
+        Raises:
+            KubeError: the call failed other than with 404 Not Found (``status`` 0: no answer).
+        """
         try:
             return self._call("GET", resource_path(key, namespace, name))
         except KubeError as e:
@@ -124,7 +132,11 @@ class KubeAPI:
 
     def list(self, key: str, namespace: str | None = None, selector: str | None = None,
              limit: int | None = None) -> list[dict]:
-        """Objects of a resource (one namespace or all), optionally by label selector."""
+        """Objects of a resource (one namespace or all), optionally by label selector.
+
+        Raises:
+            KubeError: the call failed (``status`` 0: no answer).
+        """
         query: dict[str, str] = {}
         if selector:
             query["labelSelector"] = selector
@@ -137,12 +149,21 @@ class KubeAPI:
         return self._call("POST", resource_path(key, namespace), body=body)
 
     def patch(self, key: str, namespace: str | None, name: str, patch: dict, *, status: bool = False) -> dict:
-        """JSON merge patch of the object (or its ``/status``)."""
+        """JSON merge patch of the object (or its ``/status``).
+
+        Raises:
+            KubeError: the call failed (404 when the object does not exist, 409 when a ``metadata.resourceVersion``
+                in ``patch`` is stale; ``status`` 0: no answer).
+        """
         return self._call("PATCH", resource_path(key, namespace, name, "status" if status else None), body=patch,
                           content_type="application/merge-patch+json")
 
     def delete(self, key: str, namespace: str | None, name: str) -> bool:
-        """Delete with background propagation; False when it did not exist."""
+        """Delete with background propagation; False when it did not exist.
+
+        Raises:
+            KubeError: the call failed other than with 404 Not Found (``status`` 0: no answer).
+        """
         try:
             self._call("DELETE", resource_path(key, namespace, name),
                        body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"})

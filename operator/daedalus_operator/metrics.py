@@ -101,7 +101,11 @@ class OperatorMetrics:
             self._refresh_jobs()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Serve ``/metrics`` on ``addr:port`` in a background thread."""
+        """Serve ``/metrics`` on ``addr:port`` in a background thread.
+
+        Raises:
+            OSError: the address cannot be bound (the port is taken).
+        """
         self._server = start_http_server(port, addr=addr, registry=self.registry)
 
     def shutdown(self) -> None:

@@ -90,7 +90,11 @@ def shared_mount_path(spec: RLTrainingJobSpec) -> str:
 # ------------------------------------------------------------------------------------------------ ConfigMap, Secret
 def trainer_config(job: JobView) -> dict[str, Any]:
     """The resolved trainer config: the job manifest with every default filled in, metadata reduced to name,
-    namespace and uid (what ``daedalus train --config`` reads)."""
+    namespace and uid (what ``daedalus train --config`` reads).
+
+    Raises:
+        ValueError: the job's spec is invalid.
+    """
     spec = _spec(job)
     doc = RLTrainingJob(metadata=ObjectMeta(name=job.name, namespace=job.namespace), spec=spec).to_manifest()
     doc["metadata"]["uid"] = job.uid
@@ -98,7 +102,11 @@ def trainer_config(job: JobView) -> dict[str, Any]:
 
 
 def build_config_map(job: JobView) -> dict[str, Any]:
-    """ConfigMap ``<job>-config`` with key ``config.json`` (sorted, indented JSON: stable bytes, readable diffs)."""
+    """ConfigMap ``<job>-config`` with key ``config.json`` (sorted, indented JSON: stable bytes, readable diffs).
+
+    Raises:
+        ValueError: the job's spec is invalid.
+    """
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -324,7 +332,11 @@ def serve_config(job: JobView, lora_uri: str) -> dict[str, Any]:
     """The Ray Serve config (``serveConfigV2``): one OpenAI-compatible Ray Serve LLM app (``build_openai_app``) with
     the vLLM engine, the base model from ``spec.model.path`` and dynamic LoRA from ``lora_uri`` (the object-store
     mirror of ``<checkpoint root>/exports``, whose sub-folder ``adapter`` is the exported adapter), max LoRA rank
-    ``spec.lora.rank``, ``tensor_parallel_size`` = GPUs per replica."""
+    ``spec.lora.rank``, ``tensor_parallel_size`` = GPUs per replica.
+
+    Raises:
+        ValueError: the job's spec is invalid.
+    """
     spec = _spec(job)
     engine: dict[str, Any] = {"enable_lora": True, "max_lora_rank": spec.lora.rank, "max_loras": 1,
                               "dtype": spec.model.dtype}
@@ -408,5 +420,9 @@ def build_rayservice(job: JobView, lora_uri: str) -> dict[str, Any]:
 
 
 def serving_request_model(job: JobView) -> str:
-    """The ``model`` of an OpenAI request to the served adapter: ``<spec.model.name>:adapter``."""
+    """The ``model`` of an OpenAI request to the served adapter: ``<spec.model.name>:adapter``.
+
+    Raises:
+        ValueError: the job's spec is invalid.
+    """
     return f"{_spec(job).model.name}:{ADAPTER_ID}"

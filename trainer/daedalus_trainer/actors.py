@@ -107,14 +107,25 @@ class UpdateStats:
     """What one learner update reports (floats; ``None`` when the update was skipped)."""
 
     loss: float | None
+    """Mean loss over the mini-batch passes that ran (mini-batches with signal x ``iterationsPerStep``)."""
     kl: float | None
+    """Mean k3 KL estimate to the reference per assistant token trained on; ``None`` without a KL term
+    (``klCoef`` 0)."""
     grad_norm: float | None
+    """Mean over the optimizer updates of the total gradient L2 norm before clipping (what ``clip_grad_norm_``
+    returns); NaN when every update was skipped for a non-finite gradient."""
     clip_fraction: float | None
+    """Fraction of the assistant tokens trained on whose importance ratio was clipped (over all passes)."""
     tokens: int
+    """Assistant (sampled) tokens of the episodes trained on, counted once (not per pass)."""
     sequences: int
+    """Turn sequences trained on (one per turn of each episode trained on), counted once."""
     zero_variance_groups: int
+    """Groups whose episodes all got the same reward (no group-relative signal)."""
     skipped: bool
+    """True when no optimizer step was made."""
     seconds: float
+    """Wall-clock seconds of the update."""
     updates: int = 1
     """Optimizer updates made (``iterationsPerStep`` x ``miniBatches``, minus mini-batches without signal and any
     update skipped for a non-finite gradient)."""

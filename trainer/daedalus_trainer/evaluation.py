@@ -166,7 +166,9 @@ class ModeResult:
     parse_failure_rate: float
     wall_bump_rate: float
     turns: int
+    """Turns of all episodes together (the denominator of ``parse_failure_rate`` and ``wall_bump_rate``)."""
     seconds: float
+    """Wall-clock seconds spent playing the episodes (:func:`evaluate`), rounded to 0.01."""
     corners: int = 1
     """Episodes per layout (start/goal corner pairs); above 1 the interval uses the design-effect sample size."""
     outcomes: list[int] = field(default_factory=list)
@@ -206,7 +208,11 @@ def summarize(trajectories: Sequence[Trajectory], mode: str, temperature: float,
 def evaluate(engine: RolloutEngine, mazes: Sequence[Any], env_spec: Any, sampling: SamplingParams, *,
              mode: str = "greedy", seed: int | None = None, corners: int = 1) -> tuple[ModeResult, list[Trajectory]]:
     """Play every maze once with ``engine`` and summarise (``corners`` consecutive mazes per layout, as
-    :func:`~daedalus_trainer.layouts.eval_mazes` lays them out); returns ``(result, trajectories)``."""
+    :func:`~daedalus_trainer.layouts.eval_mazes` lays them out); returns ``(result, trajectories)``.
+
+    Raises:
+        ValueError: ``mazes`` is empty, or not whole layouts of ``corners`` mazes (:func:`summarize`).
+    """
     t0 = time.perf_counter()
     trajectories = run_episodes(engine, mazes, env_spec, sampling, seed=seed)
     result = summarize(trajectories, mode, sampling.temperature, env_spec.success_on, time.perf_counter() - t0,
@@ -222,7 +228,9 @@ class EvalReport:
     model_path: str
     adapter_path: str | None
     size: int
+    """Maze side in cells (``environment.size``)."""
     mazes: int
+    """Episodes played per decoding mode (layouts x ``corners``)."""
     layouts: LayoutReport
     results: list[ModeResult] = field(default_factory=list)
     gifs: list[str] = field(default_factory=list)
@@ -280,6 +288,9 @@ def write_gif(trajectory: Trajectory, path: str | Path, frame_ms: int = 400, sca
 
     Frames come from the trajectory's images (the current observation of each turn, then the final one), so no
     re-rendering is needed. Returns ``path``.
+
+    Raises:
+        ValueError: the trajectory holds no images (ascii observations).
     """
     from PIL import Image, ImageDraw
 

@@ -435,8 +435,16 @@ class Trainer:
         """Run from the checkpoint ``resume`` names (``latest`` | ``none`` | a checkpoint path) to ``algorithm.steps``.
 
         Raises:
-            daedalus_trainer.checkpoint.CheckpointError: ``resume`` is a path that does not verify.
-            RuntimeError: a Ray actor failed (the caller's process exits non-zero; the operator resubmits).
+            daedalus_trainer.checkpoint.CheckpointCorruptError: the checkpoint to resume from fails verification
+                (for ``latest``: checkpoints exist but none verifies), or the final one does at export.
+            daedalus_trainer.checkpoint.CheckpointError: ``resume`` is a path that does not exist or holds no
+                checkpoint, or the checkpoint's LoRA adapter differs from this job's (:func:`check_adapter_matches`).
+            daedalus_trainer.checkpoint.CheckpointSaveError: the last queued checkpoint write failed (an earlier
+                failed write is only reported through the control state).
+            daedalus_trainer.layouts.LayoutError: the evaluation set cannot be held out as configured, or no
+                training maze was found.
+            ray.exceptions.RayError: an actor failed: ``RayActorError`` when it died, ``RayTaskError`` wrapping
+                what one of its methods raised (the caller's process exits non-zero; the operator resubmits).
         """
         import ray
 
@@ -750,6 +758,15 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     from ``DAEDALUS_CONTROL_TOKEN`` / ``DAEDALUS_CONTROL_TOKEN_FILE`` and the attempt from ``DAEDALUS_ATTEMPT``;
     ``DAEDALUS_METRICS_LINGER_SECONDS`` keeps the endpoint up that long after the last step (a final scrape).
     Returns 0 when the run finished or was stopped on request (the operator resubmits with resume), raises otherwise.
+
+    Raises:
+        FileNotFoundError: ``config`` does not exist.
+        daedalus_trainer.config.SpecError: ``config`` is malformed or the job is invalid.
+        ValueError: ``DAEDALUS_ATTEMPT`` or ``DAEDALUS_METRICS_PORT`` is not an integer, or
+            ``DAEDALUS_METRICS_LINGER_SECONDS`` not a number.
+        OSError: the run directory cannot be created, or the port is taken.
+        CheckpointError, LayoutError, ray.exceptions.RayError: as :meth:`Trainer.train` (the control phase is set
+            to ``failed`` first).
     """
     from daedalus_trainer.config import load_job
     from daedalus_trainer.server import TrainerServer

@@ -129,6 +129,10 @@ class StepStats:
         kl: mean per-token KL to the reference, or ``None`` when no update ran (gauge keeps its last value).
         loss: loss of the update, or ``None`` when no update ran.
         grad_norm: pre-clip gradient L2 norm, or ``None`` when no update ran.
+
+    Raises:
+        ValueError: ``step`` < 0, ``success_ratio`` outside [0, 1], ``reward_mean`` not finite, or
+            ``episode_turns``, ``rollout_tokens``, ``zero_variance_groups`` or a duration negative or NaN.
     """
 
     step: int
@@ -238,7 +242,11 @@ class TrainerMetrics:
         self._gauge("daedalus_checkpoint_interval_steps", steps)
 
     def set_step(self, step: int) -> None:
-        """Set ``daedalus_train_step`` without other stats (e.g. right after resuming at ``step``)."""
+        """Set ``daedalus_train_step`` without other stats (e.g. right after resuming at ``step``).
+
+        Raises:
+            ValueError: ``step`` < 0.
+        """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         self._gauge("daedalus_train_step", step)

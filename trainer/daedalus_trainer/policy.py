@@ -234,7 +234,8 @@ class Policy:
             raise ValueError(f"adapter mismatch: missing {missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}")
 
     def adapter_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
-        """The adapter weights as a CPU state dict (PEFT key names; what travels to rollout engines).
+        """The adapter weights as a CPU state dict (PEFT key names; what travels to rollout engines). For a ``Linear``
+        target, ``...lora_A.weight`` is ``[r, in_features]`` and ``...lora_B.weight`` ``[out_features, r]``.
 
         ``copy=False`` returns the live parameters themselves where they already are on the CPU (detached, sharing
         memory): only for a caller that serialises them before the next optimizer step (a Ray actor method's return
@@ -602,7 +603,9 @@ class PatchLinearConv3d(torch.nn.Conv3d):
     parameters and state-dict keys as ``Conv3d``; any other input shape falls back to the convolution.
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[N, in_channels, *kernel_size]`` (N patches; ``[N, 3, 2, 16, 16]`` for Qwen3-VL) to
+        ``[N, out_channels, 1, 1, 1]``; other shapes go through ``Conv3d.forward``."""
         if (x.dim() == 5 and tuple(x.shape[2:]) == tuple(self.kernel_size) and tuple(self.stride) == tuple(
                 self.kernel_size) and self.groups == 1 and all(p == 0 for p in self.padding)):
             out = torch.nn.functional.linear(x.reshape(x.shape[0], -1), self.weight.reshape(self.out_channels, -1),
@@ -717,6 +720,8 @@ def load_pretrained(path: str | Path, dtype: str = "float32", device: torch.devi
 
     Raises:
         FileNotFoundError: ``path`` holds no ``config.json``.
+        ValueError: unknown ``dtype``, or the checkpoint's processor is not a vision-language one (no
+            ``image_processor``).
     """
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -758,7 +763,7 @@ def load_policy(
     Raises:
         FileNotFoundError: no checkpoint (see :func:`resolve_base_dir`), or ``sft_adapter`` is neither a model nor an
             adapter directory.
-        ValueError: vision-tower LoRA targets.
+        ValueError: vision-tower LoRA targets, or the processor is not a vision-language one (:func:`load_pretrained`).
     """
     sft = getattr(model_spec, "sft_adapter", None)
     dtype = getattr(model_spec, "dtype", "float32")

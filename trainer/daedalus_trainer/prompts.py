@@ -63,6 +63,9 @@ class PromptSettings:
         history_turns: observations kept in context, the current one included (>= 1).
         max_turns: the environment's fixed turn limit, stated in the instructions when > 0 (0 = automatic per maze,
             not stated).
+
+    Raises:
+        ValueError: ``history_turns`` < 1.
     """
 
     action_format: str = "function"

@@ -242,7 +242,7 @@ class ControlState:
         """Register a request (and a stop if ``stop``); returns a ticket for :meth:`wait`.
 
         Raises:
-            RuntimeError: the trainer is already ``finished`` or ``failed``.
+            RuntimeError: the trainer is already ``finished``, ``stopped`` or ``failed``.
         """
         with self._cond:
             if self._status["phase"] in _TERMINAL:
@@ -256,7 +256,8 @@ class ControlState:
             return self._request_seq
 
     def wait(self, ticket: int, timeout: float) -> CheckpointResult | None:
-        """Block until the request ``ticket`` is answered; ``None`` on timeout (the request stays pending)."""
+        """Block until the request ``ticket`` is answered, at most ``timeout`` seconds; ``None`` on timeout (the
+        request stays pending)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._answered_seq < ticket:
@@ -454,7 +455,11 @@ class TrainerServer:
 
     @property
     def port(self) -> int:
-        """The bound port (valid after :meth:`start`)."""
+        """The bound port (valid after :meth:`start`).
+
+        Raises:
+            RuntimeError: the server is not started (or was stopped).
+        """
         if self._server is None:
             raise RuntimeError("server not started")
         return int(self._server.server_address[1])
@@ -466,7 +471,12 @@ class TrainerServer:
         return f"http://{host}:{self.port}"
 
     def start(self) -> TrainerServer:
-        """Bind and serve in a daemon thread. Returns ``self``."""
+        """Bind and serve in a daemon thread. Returns ``self``.
+
+        Raises:
+            RuntimeError: the server is already started.
+            OSError: the port is taken (or ``host`` cannot be bound).
+        """
         if self._server is not None:
             raise RuntimeError("server already started")
         server = _Server((self.host, self._requested_port), _Handler)

@@ -164,7 +164,11 @@ def _demo_turn(observations: list, executed: list[str], labels: list[str], k: in
 def expert_action(maze: Any, dist: np.ndarray, cell: tuple[int, int]) -> str:
     """The solver's action at ``cell``: ``stop`` on the goal, else the first move (in :data:`DIRECTIONS` order) to a
     neighbour one step closer to the goal; in a perfect maze that neighbour is unique, so this is the first move of
-    :func:`daedalus_trainer.envs.solve`. ``dist`` is :func:`daedalus_trainer.envs.distance_map` of ``maze``."""
+    :func:`daedalus_trainer.envs.solve`. ``dist`` is :func:`daedalus_trainer.envs.distance_map` of ``maze``.
+
+    Raises:
+        ValueError: the goal cannot be reached from ``cell`` (no neighbour one step closer).
+    """
     if cell == tuple(maze.goal):
         return STOP
     r, c = cell
@@ -323,9 +327,14 @@ class SFTState:
     """What a resumed SFT run continues from (``<out>/checkpoint/state.json``)."""
 
     step: int = 0
+    #: Wall-clock seconds counted against ``sft.maxSeconds``: the training steps (data, on-policy pool refreshes,
+    #: forward, backward, optimizer), the step-accuracy checks and the checkpoint writes; not ``eval_seconds``.
     seconds: float = 0.0
+    #: CPU seconds of this process, all threads (``time.process_time``), over the training steps only.
     cpu_seconds: float = 0.0
+    #: Wall-clock seconds of the periodic held-out greedy evaluations and the snapshots (outside the budget).
     eval_seconds: float = 0.0
+    #: Tokens trained on: the non-padding tokens of every batch (prompt, image and reply tokens; ``attention_mask``).
     tokens: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     #: The on-policy pool in use (:class:`OnPolicyPool`): its round (-1: none yet) and executed replies.

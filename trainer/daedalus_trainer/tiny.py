@@ -118,6 +118,11 @@ class TinySpec:
         text_layers: decoder layers.
         text_heads / text_kv_heads / head_dim: attention geometry; ``mrope_section`` must sum to ``head_dim // 2``.
         text_intermediate: MLP width of the decoder.
+        mrope_section: M-RoPE split of the ``head_dim // 2`` rotary frequencies among the temporal, height and width
+            positions (``rope_parameters.mrope_section``, interleaved).
+        rope_theta: RoPE base (``rope_parameters.rope_theta``); 5e6 is the value bench/gpu/rollout_step.py gives
+            for Qwen3-VL-8B-Instruct.
+        max_position_embeddings: longest sequence in tokens (also the tokenizer's ``model_max_length``).
         vision_depth / vision_hidden / vision_heads / vision_intermediate: ViT geometry.
         deepstack_indexes: ViT layers whose features are injected into the first decoder layers (must be < depth).
         num_position_embeddings: learned ViT position table (a perfect square; interpolated to the patch grid).
@@ -198,6 +203,9 @@ def train_tokenizer(spec: TinySpec) -> PreTrainedTokenizerFast:
     The pre-tokenizer, decoder and byte alphabet are GPT-2/Qwen2's byte-level ones, so every string round-trips.
     Padding is on the left (needed for batched generation) and the pad token is ``<|endoftext|>`` as in Qwen.
     Returns a :class:`~transformers.PreTrainedTokenizerFast` carrying :data:`CHAT_TEMPLATE`.
+
+    Raises:
+        RuntimeError: the special tokens did not get ids 0..7 (in :data:`SPECIAL_TOKENS` order).
     """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -239,7 +247,11 @@ def build_image_processor(spec: TinySpec) -> Qwen2VLImageProcessorPil:
 
 
 def build_config(spec: TinySpec, tokenizer: PreTrainedTokenizerFast) -> Qwen3VLConfig:
-    """The :class:`~transformers.Qwen3VLConfig` of the tiny model, special-token ids taken from ``tokenizer``."""
+    """The :class:`~transformers.Qwen3VLConfig` of the tiny model, special-token ids taken from ``tokenizer``.
+
+    Raises:
+        ValueError: ``spec`` fails :meth:`TinySpec.check`.
+    """
     spec.check()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = {
@@ -295,6 +307,10 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> 
     (``config.json``, ``generation_config.json``, ``model.safetensors``), the processor (tokenizer files,
     ``chat_template.jinja``, ``processor_config.json`` naming :class:`TinyQwen3VLProcessor`) and
     ``daedalus_tiny.json`` (the :class:`TinySpec` used). Takes ~1 s on one core.
+
+    Raises:
+        ValueError: ``spec`` fails :meth:`TinySpec.check`.
+        RuntimeError: see :func:`train_tokenizer`.
     """
     spec = spec or TinySpec()
     out = Path(out_dir)

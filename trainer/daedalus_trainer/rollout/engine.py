@@ -30,6 +30,9 @@ class SamplingParams:
         top_p: nucleus threshold (1 disables it). No top-k: the model's own generation defaults are not used.
         max_tokens: maximum new tokens per reply; a reply cut there has ``finish_reason == "length"``.
         seed: seeds the sampler for this call (reproducible rollouts); None uses the global RNG.
+
+    Raises:
+        ValueError: ``temperature`` < 0, ``top_p`` outside (0, 1], or ``max_tokens`` < 1.
     """
 
     temperature: float = 1.0
@@ -85,7 +88,8 @@ class RolloutEngine(Protocol):
     def generate(
         self, conversations: Sequence[list[dict[str, Any]]], images: Sequence[Sequence[Any]], sampling: SamplingParams
     ) -> list[Generation]:
-        """One reply per conversation (``images[i]`` are the images of ``conversations[i]`` in order)."""
+        """One reply per conversation (``images[i]`` are the images of ``conversations[i]`` in order: RGB uint8
+        ``[H, W, 3]`` numpy arrays, in pixels, or PIL images)."""
         ...
 
     def load_adapter(self, path_or_state: str | Path | dict[str, torch.Tensor], version: int) -> None:
@@ -107,6 +111,9 @@ class TransformersEngine:
     rounding (the prefix runs at batch 1; in bf16 a near-tie may then flip a token; tests/unit/test_policy.py checks
     float32 against ``generate``). ``<|image_pad|>`` and the other vision tokens are
     never sampled (a sampled image pad breaks the next forward: "Image features and image tokens do not match").
+
+    Raises:
+        ValueError: ``max_batch`` < 1.
     """
 
     def __init__(self, policy: Policy, max_batch: int = 64):

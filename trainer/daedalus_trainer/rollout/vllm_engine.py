@@ -12,7 +12,7 @@ Design (docs/engineering-notes.md, "vLLM rollout design"):
 - Prompts are rendered with the checkpoint's chat template by :mod:`daedalus_trainer.prompts` (the same text the
   transformers engine tokenizes); vLLM's processor expands the image pads, and the exact prompt tokens it used are
   returned (``RequestOutput.prompt_token_ids``).
-- Vision special tokens get a logit bias of :data:`SUPPRESS_BIAS` (never sampled).
+- Vision special tokens get a logit bias of :data:`SUPPRESS_BIAS` (their probability becomes negligible).
 - Log-probs: ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled token under the distribution it was
   sampled from (after temperature, logit bias and top-p). With ``top_p = 1`` this equals the learner's
   ``log softmax(z / T)`` except for the suppressed vision tokens' (negligible) mass; the GRPO learner may recompute
@@ -31,7 +31,9 @@ from daedalus_trainer import prompts
 from daedalus_trainer.policy import ADAPTER_CONFIG, ADAPTER_WEIGHTS, to_pil
 from daedalus_trainer.rollout.engine import Generation, SamplingParams
 
-#: Logit bias that keeps vision special tokens from being sampled.
+#: Logit bias that keeps vision special tokens from being sampled: -100, the lowest value of the OpenAI API's
+#: ``logit_bias`` range [-100, 100] (vLLM's OpenAI-compatible server clamps to the same range). A finite bias makes
+#: the token's probability negligible, not exactly zero.
 SUPPRESS_BIAS = -100.0
 
 
@@ -43,9 +45,14 @@ class VLLMEngine:
         history_turns: images per prompt at most (``limit_mm_per_prompt``).
         max_lora_rank: largest adapter rank to serve.
         dtype: ``bfloat16`` (default), ``float16`` or ``float32``.
-        gpu_memory_utilization / max_model_len / tensor_parallel_size / seed: passed to ``vllm.LLM``.
+        gpu_memory_utilization: fraction (0-1] of each GPU's memory vLLM may take (weights, activations, KV cache).
+        max_model_len: context length in tokens (prompt, image tokens included, plus the reply).
+        tensor_parallel_size / seed: passed to ``vllm.LLM``.
         adapter_dir: where adapters given as state dicts are written (default: a temporary directory).
         llm_kwargs: further ``vllm.LLM`` arguments.
+
+    ``vllm.LLM`` gets ``max_loras=2`` (at most two adapters in one batch); each :meth:`generate` call uses one, that
+    of the last :meth:`load_adapter`.
 
     Raises:
         ImportError: vLLM is not installed (install the ``gpu`` extra).
