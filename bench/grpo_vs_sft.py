@@ -1,4 +1,4 @@
-"""GRPO against more SFT: the same starting checkpoint, the same wall-clock budget, the same held-out mazes.
+"""GRPO against more SFT: the same starting checkpoint, the same training seconds, the same held-out mazes.
 
 Question (issue #4): once a policy has been fine-tuned on solver demonstrations, is the next budget of compute better
 spent on GRPO (reward only for reaching the goal) or on more supervised fine-tuning with the same perfect solver
@@ -8,14 +8,18 @@ Method:
 
 1. Starting point: ``--start`` (a tiny full-model SFT checkpoint such as ``runs/local-tiny/sft/model``); built with the
    job's SFT settings into ``<out>/sft`` when absent.
-2. Arm **GRPO**: the job's GRPO (LoRA adapter, group size, mazes per step, learning rate...) on a local Ray, stopped
-   when the summed rollout + learner seconds reach ``--budget``; a checkpoint is requested at every ``budget / points``
-   seconds of training.
+2. Arm **GRPO**: the job's GRPO (LoRA adapter, group size, mazes per step, learning rate and its schedule...) on a
+   local Ray for ``--grpo-steps`` steps (default the job's ``algorithm.steps``: the GRPO ``daedalus run`` trains, its
+   cosine decay complete), a checkpoint at ``--points`` evenly spaced steps; its training seconds (rollouts +
+   updates) are the budget of the SFT arm. With ``--budget`` instead, GRPO stops after that many training seconds
+   and is checkpointed at every ``budget / points`` seconds; its schedule still spans ``--grpo-steps`` steps (before
+   2026-12-01 it spanned 100000, i.e. a constant learning rate, which at 2e-3 collapsed the action format after
+   ~45 steps in a 600 s run).
 3. Arm **SFT**: a LoRA adapter of the same rank and targets on the same start, trained by ``daedalus_trainer.sft``
    with the job's SFT settings (solver demonstrations on the training layouts only and, with ``sft.onPolicyFraction``,
    solver-labelled states from the policy's own greedy episodes; batch ``sft.batchSize``, AdamW at ``--sft-lr``,
-   default the GRPO learning rate, warmup-stable-decay over the budget) for ``--budget`` training seconds (the
-   on-policy rollouts included), with a snapshot of the adapter at the same marks.
+   default the GRPO learning rate, warmup-stable-decay over the budget) for the same training seconds (the
+   on-policy rollouts included), with a snapshot of the adapter at the seconds of the GRPO arm's snapshots.
 4. Every snapshot of both arms (and the start) is evaluated greedily on the held-out mazes at each ``--sizes`` (size 7
    is the training size; the held-out set excludes training layouts by hash; size 9 is never trained on, so all its
    layouts are unseen). Evaluation time is not counted in the budget.
@@ -29,7 +33,8 @@ imitate, which real agent tasks rarely have; both arms run single-threaded on CP
 
 Usage::
 
-    .venv/bin/python bench/grpo_vs_sft.py --start runs/local-tiny/sft/model --budget 300
+    .venv/bin/python bench/grpo_vs_sft.py --start runs/local-tiny/sft/model            # the example's 48 steps
+    .venv/bin/python bench/grpo_vs_sft.py --start runs/local-tiny/sft/model --budget 180   # a time budget
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -80,10 +86,14 @@ def ensure_start(doc: dict[str, Any], start: Path | None, out: Path) -> Path:
     return Path(sft.run_sft(parse_job(doc), out / "sft", resume=True, final_eval=False))
 
 
-def run_grpo(doc: dict[str, Any], start: Path, out: Path, budget: float, marks: list[float]) -> dict[str, Any]:
-    """Arm GRPO: train until ``budget`` seconds of rollouts + updates; checkpoints at ``marks``.
+def run_grpo(doc: dict[str, Any], start: Path, out: Path, steps: int, points: int,
+             budget: float | None = None) -> dict[str, Any]:
+    """Arm GRPO: the job's GRPO for ``steps`` steps, its learning-rate schedule spanning them (``algorithm.steps =
+    steps``, as ``daedalus run`` trains); with ``budget`` it stops earlier once the summed rollout + learner seconds
+    reach it. A checkpoint is taken at ``points`` evenly spaced marks: steps ``ceil(steps * k / points)``, or with
+    ``budget`` ``budget * k / points`` seconds.
 
-    Returns ``{"snapshots": [(seconds, step, adapter_dir)], "steps": n, "history": [...]}``.
+    Returns ``{"snapshots": [(training seconds, step, adapter_dir)], "steps": n, "seconds": s, "history": [...]}``.
     """
     import ray
 
@@ -91,10 +101,13 @@ def run_grpo(doc: dict[str, Any], start: Path, out: Path, budget: float, marks: 
     from daedalus_trainer.config import parse_job
     from daedalus_trainer.grpo import Trainer, init_ray
 
-    job = parse_job(_with(doc, algorithm={"steps": 100_000, "evalIntervalSteps": 0},
+    job = parse_job(_with(doc, algorithm={"steps": steps, "evalIntervalSteps": 0},
                           checkpoint={"intervalSteps": 1_000_000, "keep": 1000}))
     init_ray(local=True)
-    pending = list(marks)
+    if budget is None:
+        pending: list[float] = sorted({math.ceil(steps * (k + 1) / points) for k in range(points)})
+    else:
+        pending = [budget * (k + 1) / points for k in range(points)]
     taken: list[tuple[float, int]] = []
     spent = 0.0
     trainer: Trainer | None = None
@@ -104,8 +117,10 @@ def run_grpo(doc: dict[str, Any], start: Path, out: Path, budget: float, marks: 
         spent += rec["rollout_seconds"] + rec["learner_seconds"]
         print(f"  grpo step {rec['step']:4d}  {spent:6.1f} s  rollout success {rec['success_ratio']:.2f}  "
               f"turns {rec['episode_turns']:.1f}", flush=True)
-        while pending and spent >= pending[0]:
-            taken.append((pending.pop(0), rec["step"]))
+        reached = (lambda m: rec["step"] >= m) if budget is None else (lambda m: spent >= m)
+        while pending and reached(pending[0]):
+            mark = pending.pop(0)
+            taken.append((spent if budget is None else mark, rec["step"]))
             assert trainer is not None
             trainer.control.request_checkpoint(stop=not pending)
 
@@ -113,6 +128,8 @@ def run_grpo(doc: dict[str, Any], start: Path, out: Path, budget: float, marks: 
                       final_eval=False)
     result = trainer.train(resume="none")
     ray.shutdown()
+    if pending and result.steps_done and (not taken or taken[-1][1] != result.steps_done):
+        taken.append((spent, result.steps_done))  # the steps ended before the budget: the final checkpoint
     by_step = {step: path for step, path in list_checkpoints(out / "grpo" / "checkpoints")}
     snapshots = [(mark, step, str(by_step[step] / "adapter")) for mark, step in taken]
     return {"snapshots": snapshots, "steps": result.steps_done, "seconds": spent, "history": result.history}
@@ -217,15 +234,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start", type=Path, default=None,
                     help="SFT checkpoint (full tiny model dir); default: runs/<job>/sft/model from `make run` if present, "
                          "else SFT with the job's settings")
-    ap.add_argument("--budget", type=float, default=300.0, help="training seconds per arm (default 300)")
+    ap.add_argument("--grpo-steps", type=int, default=None,
+                    help="GRPO steps of the GRPO arm, its learning-rate schedule spanning them (default: the job's "
+                         "algorithm.steps, i.e. the GRPO `daedalus run` trains); the SFT arm then gets the same "
+                         "training seconds")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="instead: stop the GRPO arm after this many training seconds (the schedule still spans "
+                         "--grpo-steps steps, so a cosine decay may not have ended when the budget binds); the SFT "
+                         "arm gets the same budget")
     ap.add_argument("--points", type=int, default=3, help="evaluation points per arm (default 3)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[7, 9], help="maze sizes to evaluate (default 7 9)")
     ap.add_argument("--eval-mazes", type=int, default=64, help="held-out mazes per size (default 64)")
     ap.add_argument("--sft-lr", type=float, default=None, help="learning rate of the SFT arm (default: GRPO's)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-grpo-vs-sft", help="output directory")
     args = ap.parse_args(argv)
-    if args.points < 1 or args.budget <= 0:
-        ap.error("--points must be >= 1 and --budget > 0")
+    if args.points < 1 or (args.budget is not None and args.budget <= 0) or (args.grpo_steps or 1) < 1:
+        ap.error("--points and --grpo-steps must be >= 1 and --budget > 0")
 
     logging.basicConfig(level=logging.WARNING)
     import torch
@@ -238,25 +262,30 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     start = ensure_start(doc, args.start, args.out)
-    marks = [args.budget * (i + 1) / args.points for i in range(args.points)]
     lr = args.sft_lr if args.sft_lr is not None else float(doc["spec"].get("algorithm", {}).get("learningRate", 3e-3))
+    steps = args.grpo_steps or int(doc["spec"].get("algorithm", {}).get("steps", 100))
 
-    print(f"arm GRPO: {args.budget:.0f} training seconds from {start}", flush=True)
-    grpo = run_grpo(doc, start, args.out, args.budget, marks)
-    print(f"arm SFT: {args.budget:.0f} training seconds of LoRA SFT at lr {lr:g} from {start}", flush=True)
-    more = run_more_sft(doc, start, args.out, args.budget, marks, lr)
+    what = f"{args.budget:.0f} training seconds" if args.budget else f"{steps} steps"
+    print(f"arm GRPO: {what} (learning-rate schedule over {steps} steps) from {start}", flush=True)
+    grpo = run_grpo(doc, start, args.out, steps, args.points, budget=args.budget)
+    # the SFT arm: the same training seconds, snapshots at the seconds the GRPO arm's snapshots were taken
+    marks = [mark for mark, _, _ in grpo["snapshots"]]
+    budget = args.budget if args.budget and grpo["seconds"] >= args.budget else grpo["seconds"]
+    marks[-1] = budget
+    print(f"arm SFT: {budget:.0f} training seconds of LoRA SFT at lr {lr:g} from {start}", flush=True)
+    more = run_more_sft(doc, start, args.out, budget, marks, lr)
     arms = {"GRPO": grpo, "more SFT": more}
     results = evaluate_all(doc, start, arms, args.sizes, args.eval_mazes)
     print_tables(results, list(arms))
     doc_out = {
-        "job": str(args.job), "start": str(start), "budget_seconds": args.budget, "marks": marks,
-        "grpo_steps": grpo["steps"], "sft_steps": more["steps"], "sft_learning_rate": lr,
+        "job": str(args.job), "start": str(start), "budget_seconds": budget, "marks": marks,
+        "grpo_schedule_steps": steps, "grpo_steps": grpo["steps"], "sft_steps": more["steps"], "sft_learning_rate": lr,
         "load_average": list(os.getloadavg()), "wall_seconds": time.perf_counter() - started,
         "results": results,
     }
     (args.out / "grpo_vs_sft.json").write_text(json.dumps(doc_out, indent=2) + "\n")
     png = plot(results, list(arms), args.out / "grpo_vs_sft.png")
-    print(f"GRPO steps {grpo['steps']}, SFT steps {more['steps']} in {args.budget:.0f} s each; "
+    print(f"GRPO steps {grpo['steps']}, SFT steps {more['steps']} in {budget:.0f} s each; "
           f"figures: {args.out / 'grpo_vs_sft.json'}  {png}")
     return 0
 
