@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import functools
 import io
 import re
 from pathlib import Path
@@ -789,8 +790,10 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+@functools.cache
 def _fields_of(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
-    """camelCase field name -> the model it holds (None for a plain value) of ``model``."""
+    """camelCase field name -> the model it holds (None for a plain value) of ``model``. Cached: :func:`parse_job`
+    reads the top-level names on every call (the operator's every reconcile); callers must not mutate the result."""
     return {(f.alias or to_camel(n)): _model_of(f.annotation) for n, f in model.model_fields.items()}
 
 
@@ -822,7 +825,7 @@ def _unknown_field_message(loc: tuple) -> str:
     if name.lower() in folded:
         return f"unknown field: the API spells it {folded[name.lower()]!r} (field names are case-sensitive)"
     elsewhere = _all_field_paths(RLTrainingJob).get(camel)
-    if elsewhere and camel not in here:
+    if elsewhere:  # (a field of this object was answered above)
         return f"unknown field here: {camel!r} is a field of {elsewhere.rsplit('.', 1)[0]!r} ({elsewhere})"
     close = difflib.get_close_matches(name, here, n=2, cutoff=0.6)
     if close:
