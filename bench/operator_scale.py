@@ -11,9 +11,11 @@ Set-up, all real processes and real HTTP:
   cluster (:class:`ScaleFakeKubeRay`; otherwise the fixture itself is O(N^2) per pass), and a pass every second;
 - Ray: every cluster's dashboard endpoint is ``bench/lib/fake_ray_jobs.py`` (the Ray Jobs REST API subset that Ray's
   ``JobSubmissionClient`` uses), in its own process: N real Ray jobs would need N supervisor actors and N trainers;
-- the operator: ``python -m daedalus_operator`` in its own process (default ``--poll-interval`` 2 s), so its peak RSS
-  (``VmHWM`` in ``/proc/<pid>/status``) is its own. No trainer answers ``/status`` (connection refused, as while a
-  trainer starts).
+- the trainers: the same process answers every job's ``GET /status`` on the operator's ``--control-port``, one step
+  every 10 s (as a GPU-sized step), so a Running job looks like a training one;
+- the operator: ``python -m daedalus_operator`` in its own process (default ``--poll-interval`` 2 s and
+  ``--poll-budget``; ``--poll-budget 0`` here runs it without the budget), so its peak RSS (``VmHWM`` in
+  ``/proc/<pid>/status``) is its own.
 
 Measured: seconds from the first create until every RayCluster exists and until every job is ``Running``; reconcile
 latency p50/p99 from the operator's own histogram ``daedalus_operator_reconcile_seconds`` (``histogram_quantile``-style
@@ -243,6 +245,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=int, default=500)
     p.add_argument("--poll-interval", type=float, default=2.0, help="the operator's --poll-interval")
+    p.add_argument("--poll-budget", type=float, default=None,
+                   help="the operator's --poll-budget (default: the operator's default; 0: no limit, every job "
+                        "looked at every poll interval)")
     p.add_argument("--steady-seconds", type=float, default=20.0, help="steady-state window after all are Running")
     p.add_argument("--timeout", type=float, default=900.0)
     args = p.parse_args(argv)
@@ -254,7 +259,8 @@ def main(argv=None) -> int:
     floor_body = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "spec": operator_raycluster_spec(tmp)}
     floors = floor_creates(args.jobs, floor_body, rounds=3)  # before the operator run; 3 more after it
     ray_port, metrics_port, liveness_port, control_port = free_port(), free_port(), free_port(), free_port()
-    ray = subprocess.Popen([sys.executable, str(LIB / "fake_ray_jobs.py"), "--port", str(ray_port)],
+    ray = subprocess.Popen([sys.executable, str(LIB / "fake_ray_jobs.py"), "--port", str(ray_port),
+                            "--trainer-port", str(control_port)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     assert ray.stdout.readline().strip() == b"ready"
     server = KubeServer().start()
@@ -272,7 +278,8 @@ def main(argv=None) -> int:
             [sys.executable, "-m", "daedalus_operator", "--all-namespaces", "--standalone", "--kubeconfig",
              str(kubeconfig), "--poll-interval", str(args.poll_interval), "--control-port", str(control_port),
              "--metrics-port", str(metrics_port), "--liveness", f"http://127.0.0.1:{liveness_port}/healthz",
-             "--entrypoint", "true {config}", "--request-timeout", "3", "--unreachable-grace", "600"],
+             "--entrypoint", "true {config}", "--request-timeout", "3", "--unreachable-grace", "600",
+             *(["--poll-budget", str(args.poll_budget)] if args.poll_budget is not None else [])],
             stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'trainer'}"})
         deadline = time.time() + 60

@@ -10,7 +10,11 @@ of the Ray Jobs REST API that ``ray.job_submission.JobSubmissionClient`` (Ray 2.
 - ``GET /api/jobs/<id>`` -> job details (``RUNNING`` once submitted, ``STOPPED`` after a stop), 404 when unknown;
 - ``POST /api/jobs/<id>/stop`` -> ``{"stopped"}``; ``GET /api/jobs/<id>/logs`` -> ``{"logs": ""}``.
 
-Run: ``python fake_ray_jobs.py --port N`` (prints ``ready`` when listening). Not a test double of anything under
+With ``--trainer-port M`` it also stands in for every job's trainer on that port: ``GET /status`` ->
+``{"step", "totalSteps", "phase"}`` with the step counting up every ``--step-seconds`` (10 s: a GPU-sized step) from
+the start, for whichever job asks (the operator reads a ``/status`` without ``attempt`` as its current attempt's).
+
+Run: ``python fake_ray_jobs.py --port N [--trainer-port M]`` (prints ``ready`` when listening). Not a test double of anything under
 test: the operator's real ``JobSubmissionClient`` talks to it over HTTP.
 """
 
@@ -102,10 +106,43 @@ def make_handler(jobs: Jobs):
     return Handler
 
 
+def make_trainer_handler(started: float, step_seconds: float):
+    """``GET /status`` of a trainer stepping every ``step_seconds`` since ``started`` (``time.monotonic()``)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if self.path != "/status":
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            step = int((time.monotonic() - started) / step_seconds)
+            body = json.dumps({"step": step, "totalSteps": 1_000_000, "phase": "training"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return Handler
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--trainer-port", type=int, default=0, help="also answer GET /status here for every job's trainer")
+    p.add_argument("--step-seconds", type=float, default=10.0, help="seconds per step of the stand-in trainers")
     args = p.parse_args(argv)
+    if args.trainer_port:
+        trainer = http.server.ThreadingHTTPServer(("127.0.0.1", args.trainer_port),
+                                                  make_trainer_handler(time.monotonic(), args.step_seconds))
+        trainer.daemon_threads = True
+        threading.Thread(target=trainer.serve_forever, daemon=True).start()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(Jobs()))
     server.daemon_threads = True
     print("ready", flush=True)

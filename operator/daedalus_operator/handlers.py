@@ -108,6 +108,102 @@ class Children:
         return self.cluster_created is not None and now - self.cluster_created < INDEX_LAG_SECONDS
 
 
+#: Phases in which a job whose reconcile planned nothing may be looked at less often than ``poll_interval`` (the poll
+#: budget, :class:`PollGate`): waiting on Kubernetes objects (which wake it at once when they change), training, or
+#: ended. Never ``Checkpointing`` or ``Recovering``: a checkpoint call in flight and a recovery's timings are observed
+#: only by looking.
+QUIET_PHASES = frozenset({api.Phase.PENDING, api.Phase.PROVISIONING, api.Phase.RUNNING, api.Phase.SUSPENDED,
+                          api.Phase.SUCCEEDED, api.Phase.FAILED})
+
+
+@dataclasses.dataclass
+class PollGate:
+    """Whether the poll timer's next tick reconciles one job (``--poll-budget``).
+
+    A job is *quiet* after a reconcile that changed nothing but its progress (:func:`is_quiet`). A quiet job is
+    reconciled again when its steady interval is over, or at once when anything it depends on in Kubernetes changed
+    since: its body (a
+    ``resourceVersion`` other than the ones that reconcile read and wrote), or :func:`dependency_fingerprint` of its
+    pods, their nodes, its RayCluster and RayService in kopf's indexes. A job that is not quiet is reconciled on
+    every tick, as without a budget.
+
+    Attributes:
+        quiet: see above.
+        fingerprint: :func:`dependency_fingerprint` when that reconcile started.
+        versions: the job's ``resourceVersion`` values that reconcile read and wrote (its own status write is no
+            change).
+        at: ``time.monotonic()`` when that reconcile ended, in seconds.
+    """
+
+    quiet: bool = False
+    fingerprint: Any = None
+    versions: frozenset = frozenset()
+    at: float = 0.0
+
+    def due(self, version: str | None, fingerprint: Any, now: float, interval: float, tick: float) -> bool:
+        """Whether a timer tick at ``now`` (monotonic seconds) should reconcile. ``interval``: the steady interval
+        for quiet jobs (seconds); ``tick``: the timer's interval (seconds), half of which is tolerated as jitter so
+        that a tick a few milliseconds early does not wait a whole extra tick."""
+        if not self.quiet or version not in self.versions or fingerprint != self.fingerprint:
+            return True
+        return now - self.at >= interval - tick / 2
+
+
+def is_quiet(result: str, last: Plan, first_phase: str | None, status: dict[str, Any], poll: float,
+             trainer: TrainerObservation | None) -> bool:
+    """Whether a reconcile leaves its job quiet (:class:`PollGate`): it ended without error (``result`` ``ok`` or
+    ``requeue``), planned no action and no event, asked to be looked at again no sooner than the next tick (``poll``
+    seconds), and kept the job in the phase it had (``first_phase``), one of :data:`QUIET_PHASES`; the job's
+    ``status`` (after the reconcile) has no recovery under way (``recovery``: until its first new step is seen) and
+    counts down no grace period (``unreachableSince``: a dashboard that stopped answering is looked at every tick
+    until it answers or its grace is over); and a ``Running`` job's ``trainer`` (what ``/status`` said in that
+    reconcile) answered for the current attempt with a step past the one it started from: an attempt is looked at
+    every tick until it has made a step, the time in which an image, a volume or the model path fails."""
+    if not (result in ("ok", "requeue") and not last.actions and not last.events
+            and (last.requeue_after is None or last.requeue_after >= poll)
+            and last.phase in QUIET_PHASES and last.phase.value == first_phase
+            and not status.get("unreachableSince") and not status.get("recovery")):
+        return False
+    if last.phase == api.Phase.RUNNING:
+        return (trainer is not None and trainer.answers_for(int(status.get("attempt") or 0))
+                and trainer.step is not None and trainer.step > (trainer.resumed_from or 0))
+    return True
+
+
+def _node_digest(node: dict[str, Any]) -> tuple:
+    """What of a node the planner reads (:func:`~daedalus_operator.nodes.node_health`): labels (HyperPod's health
+    label), taints, ``unschedulable``, deletion, and the condition statuses; not its heartbeat times."""
+    meta, spec = node.get("metadata") or {}, node.get("spec") or {}
+    conditions = ((node.get("status") or {}).get("conditions")) or []
+    return (tuple(sorted((meta.get("labels") or {}).items())), bool(meta.get("deletionTimestamp")),
+            bool(spec.get("unschedulable")),
+            tuple((t.get("key"), t.get("value"), t.get("effect")) for t in (spec.get("taints") or [])),
+            tuple(sorted((c.get("type"), c.get("status")) for c in conditions)))
+
+
+def dependency_fingerprint(namespace: str, name: str, indexes: dict[str, Any]) -> tuple:
+    """A hashable summary of what one job depends on in kopf's indexes: its pods (name, ``resourceVersion``), the
+    nodes they run on (:func:`_node_digest`), its RayClusters and RayServices (``resourceVersion``). Equal summaries
+    mean the planner would see the same Kubernetes objects.
+
+    Raises:
+        kopf.TemporaryError: an index kept changing while it was copied (:func:`_copy_retrying`).
+    """
+    key = (namespace, name)
+
+    def versions(index_name: str) -> tuple:
+        return tuple(sorted(((o.get("metadata") or {}).get("name") or "", (o.get("metadata") or {}).get(
+            "resourceVersion") or "") for o in _store_values(indexes.get(index_name), key)))
+
+    pods = _store_values(indexes.get("pods_by_job"), key)
+    node_names = sorted({n for n in ((p.get("spec") or {}).get("nodeName") for p in pods) if n})
+    nodes = tuple((n, tuple(_node_digest(v) for v in _store_values(indexes.get("nodes_by_name"), n)))
+                  for n in node_names)
+    pod_part = tuple(sorted(((p.get("metadata") or {}).get("name") or "",
+                             (p.get("metadata") or {}).get("resourceVersion") or "") for p in pods))
+    return pod_part, nodes, versions("clusters_by_job"), versions("services_by_job")
+
+
 @dataclasses.dataclass
 class Runtime:
     """Per-process runtime values (kopf ``memo``): API client, background checkpoint calls, metrics, locks."""
@@ -121,6 +217,7 @@ class Runtime:
     tokens: dict[str, str] = dataclasses.field(default_factory=dict)
     deleting: dict[str, float] = dataclasses.field(default_factory=dict)  # uid -> monotonic time first seen deleting
     made: dict[str, "Children"] = dataclasses.field(default_factory=dict)  # uid -> the children known to exist
+    gates: dict[str, PollGate] = dataclasses.field(default_factory=dict)  # uid -> when the timer next reconciles
     last_api_ok: float = dataclasses.field(default_factory=time.monotonic)
     guard: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -133,6 +230,34 @@ class Runtime:
         """The lock that serialises the reconciles of job ``uid`` (created on first use, kept for the process)."""
         with self.guard:
             return self.locks.setdefault(uid, threading.Lock())
+
+    def steady_interval(self) -> float:
+        """Seconds between reconciles of a quiet job (:class:`PollGate`): ``poll_interval``, or the quiet jobs'
+        count divided by ``poll_budget`` when that is longer (the budget is per second, for all of them)."""
+        with self.guard:
+            quiet = sum(1 for g in self.gates.values() if g.quiet)
+        budget = self.settings.poll_budget
+        interval = max(self.settings.poll_interval, quiet / budget) if budget > 0 else self.settings.poll_interval
+        self.metrics.steady_poll_seconds.set(interval)
+        return interval
+
+    def should_poll(self, body: dict[str, Any], indexes: dict[str, Any]) -> bool:
+        """Whether the poll timer's tick for the job ``body`` (kopf's latest copy) reconciles it now
+        (:meth:`PollGate.due`); a tick that does not is counted in ``daedalus_operator_poll_skips_total``.
+
+        Raises:
+            kopf.TemporaryError: an index kept changing while it was copied (:func:`_copy_retrying`).
+        """
+        meta = body.get("metadata") or {}
+        with self.guard:
+            gate = self.gates.get(meta.get("uid", ""))
+        if gate is None or not gate.quiet:
+            return True
+        due = gate.due(meta.get("resourceVersion"), dependency_fingerprint(meta["namespace"], meta["name"], indexes),
+                       time.monotonic(), self.steady_interval(), self.settings.poll_interval)
+        if not due:
+            self.metrics.poll_skips.inc()
+        return due
 
     def ray_jobs(self, url: str) -> RayJobs:
         """The :class:`RayJobs` client of the dashboard at ``url``, cached per URL (created on first use, with
@@ -424,7 +549,13 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
         return None
     result = "ok"
     last: Plan | None = None
+    uid = body["metadata"].get("uid", f"{namespace}/{name}")
+    versions = {body["metadata"].get("resourceVersion")}
+    first_phase = (body.get("status") or {}).get("phase")
+    quiet = False
+    trainer: TrainerObservation | None = None
     try:
+        fingerprint = dependency_fingerprint(namespace, name, indexes)
         for loop in range(MAX_LOOPS):
             if loop:
                 body = rt.kube.get(kube.RLTJ, namespace, name)
@@ -432,6 +563,7 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
                     break
             job = job_view(body)
             observed = gather(rt, job, indexes)
+            trainer = observed.trainer
             rt.children(job.uid).note_cluster(observed.cluster.exists)
             now = _utcnow()
             timing = Timing(poll=rt.settings.poll_interval, unreachable_grace=rt.settings.unreachable_grace)
@@ -489,6 +621,12 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
         if last is not None:
             st = body.get("status") or {} if body else {}
             rt.metrics.observe_job(namespace, name, st.get("phase") or last.phase.value, int(st.get("restarts") or 0))
+            if body:
+                versions.add((body.get("metadata") or {}).get("resourceVersion"))
+            quiet = is_quiet(result, last, first_phase, st, rt.settings.poll_interval, trainer)
+            with rt.guard:
+                rt.gates[uid] = PollGate(quiet=quiet, fingerprint=fingerprint, versions=frozenset(versions),
+                                         at=time.monotonic())
         return last
     except kopf.TemporaryError:
         result = "error"
@@ -497,6 +635,11 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
         result = "error"
         raise kopf.TemporaryError(f"API error: {e}", delay=2.0) from None
     finally:
+        if not quiet:  # an error, a requeue, or a job that left the loop early: look again on the next tick
+            with rt.guard:
+                gate = rt.gates.get(uid)
+                if gate is not None and gate.quiet:
+                    rt.gates[uid] = dataclasses.replace(gate, quiet=False)
         lock.release()
         rt.metrics.reconciles.labels(result=result).inc()
         rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
@@ -540,6 +683,7 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     rt.tokens.pop(meta.get("uid", ""), None)
     with rt.guard:
         rt.made.pop(meta.get("uid", ""), None)
+        rt.gates.pop(meta.get("uid", ""), None)
     if problems and waited < rt.settings.deletion_timeout:
         raise kopf.TemporaryError("; ".join(problems), delay=min(2.0, max(0.2, rt.settings.deletion_timeout - waited)))
     with rt.guard:
@@ -605,8 +749,10 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         reconcile(rt, namespace, name, _indexes(kw), logger)
 
     @kopf.timer(*RLTJ, interval=s.poll_interval, id="poll", registry=registry)
-    def poll(namespace: str, name: str, logger: Any, **kw: Any) -> None:
-        reconcile(rt, namespace, name, _indexes(kw), logger, wait_for_lock=False)
+    def poll(namespace: str, name: str, body: Any, logger: Any, **kw: Any) -> None:
+        indexes = _indexes(kw)
+        if rt.should_poll(dict(body), indexes):
+            reconcile(rt, namespace, name, indexes, logger, wait_for_lock=False)
 
     @kopf.on.delete(*RLTJ, id="finalize", registry=registry)
     def on_delete(body: Any, logger: Any, **_: Any) -> None:

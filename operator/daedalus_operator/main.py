@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch-timeout", type=int, default=None, metavar="SECONDS",
                    help="server-side watch timeout; silent streams are restarted after it")
     p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between looks at an active job")
+    p.add_argument("--poll-budget", type=float, default=20.0, metavar="PER_SECOND",
+                   help="reconciles per second shared by quiet jobs (no action planned last time; 0: no limit): "
+                        "with more than poll-interval x budget quiet jobs each is looked at less often, but at once "
+                        "when its pods, nodes, RayCluster or the job itself change")
     p.add_argument("--unreachable-grace", type=float, default=60.0,
                    help="seconds an unanswering Ray dashboard is tolerated before the head counts as lost")
     p.add_argument("--request-timeout", type=float, default=5.0, help="seconds per HTTP call to Ray/the trainer")
@@ -84,7 +88,8 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
     """Build :class:`OperatorSettings` from parsed arguments.
 
     Raises:
-        SystemExit: a malformed ``--operator-pod-label`` or an entrypoint without ``{config}``.
+        SystemExit: a malformed ``--operator-pod-label``, a negative ``--poll-budget`` or an entrypoint without
+            ``{config}``.
     """
     labels: list[tuple[str, str]] = []
     for item in args.operator_pod_label:
@@ -92,6 +97,8 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
             raise SystemExit(f"--operator-pod-label expects KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         labels.append((k, v))
+    if not args.poll_budget >= 0:
+        raise SystemExit(f"--poll-budget must be >= 0 reconciles per second (0: no limit), got {args.poll_budget}")
     if "{config}" not in args.entrypoint:
         raise SystemExit(f"--entrypoint must contain {{config}} (the config file path): {args.entrypoint!r}")
     shlex.split(args.entrypoint)  # fail early on unbalanced quotes
@@ -103,6 +110,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         config_dir=args.config_dir,
         entrypoint=args.entrypoint,
         poll_interval=args.poll_interval,
+        poll_budget=args.poll_budget,
         unreachable_grace=args.unreachable_grace,
         request_timeout=args.request_timeout,
         deletion_timeout=args.deletion_timeout,

@@ -62,6 +62,12 @@ class OperatorMetrics:
                                           "in seconds.", buckets=RECOVERY_BUCKETS, registry=r)
         self.job_restarts = Gauge("daedalus_operator_job_restarts", "status.restarts of the job.",
                                   ["namespace", "job"], registry=r)
+        self.poll_skips = Counter("daedalus_operator_poll_skips_total",
+                                  "Timer ticks that did not reconcile: a quiet job, nothing it depends on changed "
+                                  "and its steady poll interval not yet over.", registry=r)
+        self.steady_poll_seconds = Gauge("daedalus_operator_steady_poll_seconds",
+                                         "Seconds between reconciles of a quiet job: the poll interval, or longer "
+                                         "when the quiet jobs would exceed the poll budget.", registry=r)
         for result in ("ok", "error", "requeue"):
             self.reconciles.labels(result=result)
         self._phases: dict[tuple[str, str], str] = {}

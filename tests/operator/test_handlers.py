@@ -9,6 +9,7 @@ import kopf
 import pytest
 import yaml
 
+from daedalus_operator import api
 from daedalus_operator.handlers import Runtime, gather, job_view
 from daedalus_operator.metrics import OperatorMetrics
 from daedalus_operator.settings import OperatorSettings
@@ -63,3 +64,125 @@ def test_an_index_that_cannot_be_read_skips_the_reconcile(which: str, index: Ind
                which: index}
     with pytest.raises(kopf.TemporaryError):
         gather(_rt(), _job(), indexes)
+
+
+# ------------------------------------------------------------------------------------------------ the poll budget
+def _node(name: str, *, health: str = "Schedulable", heartbeat: str = "2026-01-01T00:00:00Z") -> dict:
+    return {"metadata": {"name": name, "resourceVersion": heartbeat,
+                         "labels": {"sagemaker.amazonaws.com/node-health-status": health}},
+            "spec": {}, "status": {"conditions": [{"type": "Ready", "status": "True",
+                                                    "lastHeartbeatTime": heartbeat}]}}
+
+
+def _pod(name: str, node: str, rv: str) -> dict:
+    return {"metadata": {"name": name, "resourceVersion": rv}, "spec": {"nodeName": node}}
+
+
+def _indexes(*, pods=(("head", "node-a", "10"), ("worker", "node-b", "11")), nodes=None, cluster_rv="7",
+             other_pod_rv="1") -> dict:
+    nodes = nodes or {"node-a": _node("node-a"), "node-b": _node("node-b"), "node-c": _node("node-c")}
+    return {
+        "pods_by_job": Index({("ml", "local-tiny"): [_pod(*p) for p in pods],
+                              ("ml", "other"): [_pod("other-head", "node-c", other_pod_rv)]}),
+        "nodes_by_name": Index({n: [v] for n, v in nodes.items()}),
+        "clusters_by_job": Index({("ml", "local-tiny"): [{"metadata": {"name": "local-tiny-ray",
+                                                                       "resourceVersion": cluster_rv}}]}),
+        "services_by_job": Index(),
+    }
+
+
+def test_dependency_fingerprint_follows_what_the_planner_reads() -> None:
+    from daedalus_operator.handlers import dependency_fingerprint
+
+    base = dependency_fingerprint("ml", "local-tiny", _indexes())
+    assert base == dependency_fingerprint("ml", "local-tiny", _indexes())
+    # unchanged: another job's pods, a node none of the job's pods runs on, a node's heartbeat
+    assert base == dependency_fingerprint("ml", "local-tiny", _indexes(other_pod_rv="2"))
+    nodes = {"node-a": _node("node-a"), "node-b": _node("node-b", heartbeat="2026-01-01T00:05:00Z"),
+             "node-c": _node("node-c", health="UnschedulablePendingReplacement")}
+    assert base == dependency_fingerprint("ml", "local-tiny", _indexes(nodes=nodes))
+    # changed: HyperPod's label on a node of the job, a pod's new version, a pod gone, the RayCluster's version
+    nodes = {"node-a": _node("node-a"), "node-b": _node("node-b", health="UnschedulablePendingReplacement")}
+    assert base != dependency_fingerprint("ml", "local-tiny", _indexes(nodes=nodes))
+    assert base != dependency_fingerprint("ml", "local-tiny", _indexes(pods=(("head", "node-a", "10"),
+                                                                             ("worker", "node-b", "12"))))
+    assert base != dependency_fingerprint("ml", "local-tiny", _indexes(pods=(("head", "node-a", "10"),)))
+    assert base != dependency_fingerprint("ml", "local-tiny", _indexes(cluster_rv="8"))
+    not_ready = _node("node-a")
+    not_ready["status"]["conditions"][0]["status"] = "Unknown"
+    assert base != dependency_fingerprint("ml", "local-tiny", _indexes(nodes={"node-a": not_ready,
+                                                                              "node-b": _node("node-b")}))
+
+
+def test_poll_gate_due() -> None:
+    from daedalus_operator.handlers import PollGate
+
+    fp = ("pods", "nodes")
+    gate = PollGate(quiet=True, fingerprint=fp, versions=frozenset({"5", "6"}), at=100.0)
+    assert not gate.due("6", fp, now=101.0, interval=10.0, tick=2.0)
+    assert not gate.due("5", fp, now=108.9, interval=10.0, tick=2.0)  # the version read before its own write
+    assert gate.due("6", fp, now=109.0, interval=10.0, tick=2.0)  # half a tick early is on time
+    assert gate.due("7", fp, now=101.0, interval=10.0, tick=2.0)  # someone else wrote the job
+    assert gate.due("6", ("pods", "other nodes"), now=101.0, interval=10.0, tick=2.0)
+    assert PollGate(quiet=False, fingerprint=fp, versions=frozenset({"6"}), at=100.0).due(
+        "6", fp, now=100.1, interval=10.0, tick=2.0)
+
+
+def test_steady_interval_shares_the_budget_and_skips_are_counted() -> None:
+    from daedalus_operator.handlers import PollGate
+
+    rt = Runtime(settings=OperatorSettings(poll_interval=2.0, poll_budget=20.0), metrics=OperatorMetrics())
+    assert rt.steady_interval() == 2.0
+    rt.gates.update({f"uid-{i}": PollGate(quiet=i % 2 == 0) for i in range(200)})  # 100 quiet, 100 busy
+    assert rt.steady_interval() == 5.0
+    assert rt.metrics.steady_poll_seconds._value.get() == 5.0
+    unlimited = Runtime(settings=OperatorSettings(poll_interval=2.0, poll_budget=0.0), metrics=OperatorMetrics())
+    unlimited.gates.update(rt.gates)
+    assert unlimited.steady_interval() == 2.0
+
+    import time as _time
+
+    from daedalus_operator.handlers import dependency_fingerprint
+
+    indexes = _indexes()
+    body = {"metadata": {"name": "local-tiny", "namespace": "ml", "uid": "u1", "resourceVersion": "6"}}
+    assert rt.should_poll(body, indexes)  # never reconciled by this process
+    rt.gates["u1"] = PollGate(quiet=True, fingerprint=dependency_fingerprint("ml", "local-tiny", indexes),
+                              versions=frozenset({"6"}), at=_time.monotonic())
+    assert not rt.should_poll(body, indexes)
+    assert not rt.should_poll(body, indexes)
+    assert rt.metrics.poll_skips._value.get() == 2
+    assert rt.should_poll(body, _indexes(cluster_rv="8"))
+    assert rt.should_poll({"metadata": dict(body["metadata"], resourceVersion="9")}, indexes)
+    assert rt.metrics.poll_skips._value.get() == 2
+
+
+def test_is_quiet() -> None:
+    from daedalus_operator.handlers import is_quiet
+    from daedalus_operator.plan import EnsureChildren, Event, EventType, Plan, TrainerObservation
+
+    running = {"phase": "Running", "attempt": 2}
+    stepped = TrainerObservation(reachable=True, step=12, attempt=2, resumed_from=10)
+    Phase = api.Phase
+    assert is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=2.0), "Running", running, 2.0, stepped)
+    assert is_quiet("ok", Plan(Phase.SUCCEEDED), "Succeeded", {"phase": "Succeeded"}, 2.0, None)
+    assert is_quiet("requeue", Plan(Phase.PROVISIONING, requeue_after=2.0), "Provisioning", {}, 2.0, None)
+    # not quiet: an error, an action, an event, a sooner requeue, a new phase, a phase that is never quiet
+    assert not is_quiet("error", Plan(Phase.RUNNING, requeue_after=2.0), "Running", running, 2.0, stepped)
+    assert not is_quiet("requeue", Plan(Phase.RUNNING, actions=[EnsureChildren()], requeue_after=2.0), "Running",
+                        running, 2.0, stepped)
+    assert not is_quiet("requeue", Plan(Phase.RUNNING, events=[Event(EventType.NORMAL, "Recovered", "")],
+                                        requeue_after=2.0), "Running", running, 2.0, stepped)
+    assert not is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=0.5), "Running", running, 2.0, stepped)
+    assert not is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=2.0), "Provisioning", running, 2.0, stepped)
+    assert not is_quiet("requeue", Plan(Phase.CHECKPOINTING, requeue_after=2.0), "Checkpointing",
+                        {"phase": "Checkpointing"}, 2.0, stepped)
+    # not quiet: a recovery under way, a grace period counting, a trainer that has not stepped in this attempt
+    assert not is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=2.0), "Running",
+                        dict(running, recovery={"reason": "NodeReplacement"}), 2.0, stepped)
+    assert not is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=2.0), "Running",
+                        dict(running, unreachableSince="2026-01-01T00:00:00Z"), 2.0, stepped)
+    for trainer in (None, TrainerObservation(), TrainerObservation(reachable=True, step=10, attempt=2, resumed_from=10),
+                    TrainerObservation(reachable=True, step=12, attempt=1, resumed_from=0),
+                    TrainerObservation(reachable=True, step=0, attempt=2)):
+        assert not is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=2.0), "Running", running, 2.0, trainer)

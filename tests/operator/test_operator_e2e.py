@@ -257,3 +257,50 @@ def test_suspend_checkpoints_frees_the_cluster_and_resume_continues(env: Operato
     reasons = env.wait_event_reasons("Suspend", "Suspended", "Resumed", "Succeeded")
     assert reasons.index("Suspend") < reasons.index("Suspended") < reasons.index("Resumed") < reasons.index(
         "Succeeded"), reasons
+
+
+def test_a_quiet_job_is_looked_at_on_the_poll_budget_and_at_once_when_its_node_changes(tmp_path: Path,
+                                                                                       ray_head) -> None:
+    """``--poll-budget``: a Running job whose reconciles change nothing is looked at every ``quiet jobs / budget``
+    seconds (here 1 / 0.01 = 100 s), but HyperPod's label on the node of its worker wakes it on the next tick."""
+    env = OperatorEnv(tmp_path, ray_head, step_seconds=0.3, poll=0.5, extra_args=("--poll-budget", "0.01"))
+    env.start()
+    try:
+        for name in ("node-a", "node-b", "node-c"):
+            env.fake.add_node(name)
+        env.apply(env.job_manifest(algorithm__steps=120, checkpoint__intervalSteps=INTERVAL,
+                                   resilience__hyperPod=True))
+        # looked at on every tick until the first step, then quiet
+        env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= 1, timeout=120,
+                        message="attempt 1 stepping")
+
+        def counts() -> tuple[float, float]:
+            text = env.metrics_text()
+            reconciles = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                             if line.startswith("daedalus_operator_reconciles_total{"))
+            return reconciles, metric(text, "daedalus_operator_poll_skips_total")
+
+        # quiet: a reconcile or two may still be in flight from the start (a periodic checkpoint's first sighting)
+        wait_for(lambda: counts()[1] >= 2, timeout=30, message="the timer to skip a quiet job")
+        reconciles0, skips0 = counts()
+        step0 = env.status().get("currentStep")
+        time.sleep(4.0)  # 8 ticks at 0.5 s
+        reconciles1, skips1 = counts()
+        assert skips1 - skips0 >= 5, (skips0, skips1)
+        assert reconciles1 - reconciles0 <= 1, (reconciles0, reconciles1)
+        assert metric(env.metrics_text(), "daedalus_operator_steady_poll_seconds") == 100.0
+        assert trainer_status(env)["step"] > step0 + 5  # training went on; .status was not looked at meanwhile
+
+        (worker,) = env.kube.list("v1/pods", "ml", selector="ray.io/node-type=worker")
+        flipped_at = time.monotonic()
+        env.fake.set_node_health(worker["spec"]["nodeName"], "UnschedulablePendingReplacement")
+        st = env.wait_status(lambda s: s.get("submissionId", "").endswith("-a2"), timeout=60, message="attempt 2")
+        woke = time.monotonic() - flipped_at
+        print(f"\npoll budget 0.01/s (100 s between looks at a quiet job): node label -> attempt 2 submitted "
+              f"{woke:.1f} s later; lost steps {st.get('lastRecovery', {}).get('lostSteps')}")
+        assert woke < 60 and st["restarts"] == 1
+        rec = env.wait_status(lambda s: s.get("lastRecovery"), timeout=30, message="the recovery record")
+        assert rec["lastRecovery"]["reason"] == "NodeReplacement" and rec["lastRecovery"]["lostSteps"] == 0, rec
+        print(f"recovered {time.monotonic() - flipped_at:.1f} s after the label")
+    finally:
+        env.stop()
