@@ -115,20 +115,30 @@ class Children:
 QUIET_PHASES = frozenset({api.Phase.PENDING, api.Phase.PROVISIONING, api.Phase.RUNNING, api.Phase.SUSPENDED,
                           api.Phase.SUCCEEDED, api.Phase.FAILED})
 
+#: Seconds between looks at a quiet job that is not ``Running`` when nothing it depends on changed (:class:`PollGate`).
+IDLE_RESYNC_SECONDS = 300.0
+
 
 @dataclasses.dataclass
 class PollGate:
     """Whether the poll timer's next tick reconciles one job (``--poll-budget``).
 
     A job is *quiet* after a reconcile that changed nothing but its progress (:func:`is_quiet`). A quiet job is
-    reconciled again when its steady interval is over, or at once when anything it depends on in Kubernetes changed
+    reconciled again when its interval is over, or at once when anything it depends on in Kubernetes changed
     since: its body (a
     ``resourceVersion`` other than the ones that reconcile read and wrote), or :func:`dependency_fingerprint` of its
     pods, their nodes, its RayCluster and RayService in kopf's indexes. A job that is not quiet is reconciled on
     every tick, as without a budget.
 
+    The interval of a quiet ``Running`` job (*budgeted*) is the steady interval, ``max(poll_interval, budgeted jobs /
+    poll_budget)``: a training job learns only by looking that its Ray job ended or failed. A quiet job in another
+    phase (waiting for its RayCluster, suspended, ended) depends on nothing but Kubernetes objects, so it is looked at
+    when they change and otherwise every :data:`IDLE_RESYNC_SECONDS` (a safety net), outside the budget: a thousand
+    finished jobs do not slow the look at a running one.
+
     Attributes:
         quiet: see above.
+        budgeted: quiet and ``Running``.
         fingerprint: :func:`dependency_fingerprint` when that reconcile started.
         versions: the job's ``resourceVersion`` values that reconcile read and wrote (its own status write is no
             change).
@@ -136,6 +146,7 @@ class PollGate:
     """
 
     quiet: bool = False
+    budgeted: bool = False
     fingerprint: Any = None
     versions: frozenset = frozenset()
     at: float = 0.0
@@ -146,7 +157,8 @@ class PollGate:
         that a tick a few milliseconds early does not wait a whole extra tick."""
         if not self.quiet or version not in self.versions or fingerprint != self.fingerprint:
             return True
-        return now - self.at >= interval - tick / 2
+        wait = interval if self.budgeted else max(interval, IDLE_RESYNC_SECONDS)
+        return now - self.at >= wait - tick / 2
 
 
 def is_quiet(result: str, last: Plan, first_phase: str | None, status: dict[str, Any], poll: float,
@@ -157,16 +169,21 @@ def is_quiet(result: str, last: Plan, first_phase: str | None, status: dict[str,
     ``status`` (after the reconcile) has no recovery under way (``recovery``: until its first new step is seen) and
     counts down no grace period (``unreachableSince``: a dashboard that stopped answering is looked at every tick
     until it answers or its grace is over); and a ``Running`` job's ``trainer`` (what ``/status`` said in that
-    reconcile) answered for the current attempt with a step past the one it started from: an attempt is looked at
-    every tick until it has made a step, the time in which an image, a volume or the model path fails."""
+    reconcile) answered for the current attempt with a step past the one it started from (its ``resumedFrom``, else
+    the job's latest checkpoint): an attempt is looked at every tick until it has made a step, the time in which an
+    image, a volume or the model path fails."""
     if not (result in ("ok", "requeue") and not last.actions and not last.events
             and (last.requeue_after is None or last.requeue_after >= poll)
             and last.phase in QUIET_PHASES and last.phase.value == first_phase
             and not status.get("unreachableSince") and not status.get("recovery")):
         return False
     if last.phase == api.Phase.RUNNING:
-        return (trainer is not None and trainer.answers_for(int(status.get("attempt") or 0))
-                and trainer.step is not None and trainer.step > (trainer.resumed_from or 0))
+        if trainer is None or not trainer.answers_for(int(status.get("attempt") or 0)) or trainer.step is None:
+            return False
+        started = trainer.resumed_from
+        if started is None:  # a trainer that does not say: the checkpoint the attempt resumed from, at the latest
+            started = int((status.get("latestCheckpoint") or {}).get("step") or 0)
+        return trainer.step > started
     return True
 
 
@@ -218,6 +235,8 @@ class Runtime:
     deleting: dict[str, float] = dataclasses.field(default_factory=dict)  # uid -> monotonic time first seen deleting
     made: dict[str, "Children"] = dataclasses.field(default_factory=dict)  # uid -> the children known to exist
     gates: dict[str, PollGate] = dataclasses.field(default_factory=dict)  # uid -> when the timer next reconciles
+    budgeted: int = 0  # gates with budgeted=True
+    pruned_at: float = 0.0  # time.monotonic() of the last pass over gates for stale ones
     last_api_ok: float = dataclasses.field(default_factory=time.monotonic)
     guard: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -231,19 +250,38 @@ class Runtime:
         with self.guard:
             return self.locks.setdefault(uid, threading.Lock())
 
-    def steady_interval(self) -> float:
-        """Seconds between reconciles of a quiet job (:class:`PollGate`): ``poll_interval``, or the quiet jobs'
-        count divided by ``poll_budget`` when that is longer (the budget is per second, for all of them)."""
+    def put_gate(self, uid: str, gate: PollGate | None) -> None:
+        """Record (``None``: forget) job ``uid``'s :class:`PollGate`, keeping the count of budgeted ones."""
         with self.guard:
-            quiet = sum(1 for g in self.gates.values() if g.quiet)
-        budget = self.settings.poll_budget
-        interval = max(self.settings.poll_interval, quiet / budget) if budget > 0 else self.settings.poll_interval
+            old = self.gates.pop(uid, None)
+            self.budgeted -= bool(old is not None and old.budgeted)
+            if gate is not None:
+                self.gates[uid] = gate
+                self.budgeted += gate.budgeted
+
+    def steady_interval(self) -> float:
+        """Seconds between reconciles of a quiet ``Running`` job (:class:`PollGate`): ``poll_interval``, or the
+        count of such jobs divided by ``poll_budget`` when that is longer (the budget is per second, for all of
+        them). At most once a minute, gates no reconcile has refreshed for ``max(2 x IDLE_RESYNC_SECONDS, 4 x the
+        interval)`` are dropped: a job deleted while a tick's reconcile of it was under way (kopf runs the deletion
+        handler alongside it) must not count for ever."""
+        budget, poll = self.settings.poll_budget, self.settings.poll_interval
+        now = time.monotonic()
+        with self.guard:
+            interval = max(poll, self.budgeted / budget) if budget > 0 else poll
+            if now - self.pruned_at > 60.0:
+                self.pruned_at = now
+                horizon = max(2 * IDLE_RESYNC_SECONDS, 4 * interval)
+                for uid in [u for u, g in self.gates.items() if now - g.at > horizon]:
+                    self.budgeted -= self.gates.pop(uid).budgeted
+                interval = max(poll, self.budgeted / budget) if budget > 0 else poll
         self.metrics.steady_poll_seconds.set(interval)
         return interval
 
     def should_poll(self, body: dict[str, Any], indexes: dict[str, Any]) -> bool:
         """Whether the poll timer's tick for the job ``body`` (kopf's latest copy) reconciles it now
-        (:meth:`PollGate.due`); a tick that does not is counted in ``daedalus_operator_poll_skips_total``.
+        (:meth:`PollGate.due`; always with ``poll_budget`` 0); a tick that does not is counted in
+        ``daedalus_operator_poll_skips_total``.
 
         Raises:
             kopf.TemporaryError: an index kept changing while it was copied (:func:`_copy_retrying`).
@@ -251,7 +289,7 @@ class Runtime:
         meta = body.get("metadata") or {}
         with self.guard:
             gate = self.gates.get(meta.get("uid", ""))
-        if gate is None or not gate.quiet:
+        if gate is None or not gate.quiet or self.settings.poll_budget <= 0:
             return True
         due = gate.due(meta.get("resourceVersion"), dependency_fingerprint(meta["namespace"], meta["name"], indexes),
                        time.monotonic(), self.steady_interval(), self.settings.poll_interval)
@@ -624,9 +662,8 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
             if body:
                 versions.add((body.get("metadata") or {}).get("resourceVersion"))
             quiet = is_quiet(result, last, first_phase, st, rt.settings.poll_interval, trainer)
-            with rt.guard:
-                rt.gates[uid] = PollGate(quiet=quiet, fingerprint=fingerprint, versions=frozenset(versions),
-                                         at=time.monotonic())
+            rt.put_gate(uid, PollGate(quiet=quiet, budgeted=quiet and last.phase == api.Phase.RUNNING,
+                                      fingerprint=fingerprint, versions=frozenset(versions), at=time.monotonic()))
         return last
     except kopf.TemporaryError:
         result = "error"
@@ -638,8 +675,8 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
         if not quiet:  # an error, a requeue, or a job that left the loop early: look again on the next tick
             with rt.guard:
                 gate = rt.gates.get(uid)
-                if gate is not None and gate.quiet:
-                    rt.gates[uid] = dataclasses.replace(gate, quiet=False)
+            if gate is not None and gate.quiet:
+                rt.put_gate(uid, dataclasses.replace(gate, quiet=False, budgeted=False))
         lock.release()
         rt.metrics.reconciles.labels(result=result).inc()
         rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
@@ -681,9 +718,9 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     if sid:
         rt.calls.forget(sid)
     rt.tokens.pop(meta.get("uid", ""), None)
+    rt.put_gate(meta.get("uid", ""), None)
     with rt.guard:
         rt.made.pop(meta.get("uid", ""), None)
-        rt.gates.pop(meta.get("uid", ""), None)
     if problems and waited < rt.settings.deletion_timeout:
         raise kopf.TemporaryError("; ".join(problems), delay=min(2.0, max(0.2, rt.settings.deletion_timeout - waited)))
     with rt.guard:

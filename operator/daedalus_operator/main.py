@@ -58,9 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server-side watch timeout; silent streams are restarted after it")
     p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between looks at an active job")
     p.add_argument("--poll-budget", type=float, default=20.0, metavar="PER_SECOND",
-                   help="reconciles per second shared by quiet jobs (no action planned last time; 0: no limit): "
-                        "with more than poll-interval x budget quiet jobs each is looked at less often, but at once "
-                        "when its pods, nodes, RayCluster or the job itself change")
+                   help="reconciles per second shared by quiet Running jobs (nothing planned last time; 0: every "
+                        "job every poll): with more than poll-interval x budget of them each is looked at less "
+                        "often, but at once when its pods, nodes, RayCluster or the job itself change; quiet jobs "
+                        "in other phases (waiting for a RayCluster, ended) are looked at on such a change or every "
+                        "5 minutes")
     p.add_argument("--unreachable-grace", type=float, default=60.0,
                    help="seconds an unanswering Ray dashboard is tolerated before the head counts as lost")
     p.add_argument("--request-timeout", type=float, default=5.0, help="seconds per HTTP call to Ray/the trainer")

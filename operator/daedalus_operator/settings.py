@@ -27,12 +27,13 @@ class OperatorSettings:
         config_dir: mount path of the ConfigMap in the Ray pods.
         entrypoint: the Ray job entrypoint; ``{config}`` becomes ``<config_dir>/config.json``.
         poll_interval: seconds between looks at an active job (Ray job status, trainer /status, nodes).
-        poll_budget: reconciles per second that the poll timer spends on quiet jobs, together (0: no limit). A job is
-            quiet when its last reconcile planned no action and no event and kept its phase (Running, Provisioning,
-            Pending, or a terminal one); it is then reconciled every ``max(poll_interval, quiet jobs / poll_budget)``
-            seconds, and at once when something it depends on changes (its body, pods, RayCluster, RayService, or
-            the nodes of its pods). Only the time to notice what no Kubernetes object shows (a Ray job that
-            failed, the trainer's step) grows with the number of jobs.
+        poll_budget: reconciles per second that the poll timer spends on quiet Running jobs, together (0: every job
+            on every tick). A job is quiet when its last reconcile planned no action and no event and kept its phase
+            (``handlers.is_quiet``); a quiet Running job is then reconciled every ``max(poll_interval, quiet Running
+            jobs / poll_budget)`` seconds, a quiet job in another phase (waiting for its RayCluster, suspended, ended)
+            every ``handlers.IDLE_RESYNC_SECONDS``, and either at once when something it depends on changes (its
+            body, pods, RayCluster, RayService, or the nodes of its pods). Only the time to notice what no
+            Kubernetes object shows (a Ray job that failed, the trainer's step) grows with the number of jobs.
         unreachable_grace: seconds an unanswering dashboard is tolerated before the head counts as lost.
         request_timeout: seconds for one HTTP call to the Ray dashboard or the trainer.
         deletion_timeout: seconds after ``deletionTimestamp`` after which the finalizer is released whatever failed.

@@ -118,27 +118,46 @@ def test_poll_gate_due() -> None:
     from daedalus_operator.handlers import PollGate
 
     fp = ("pods", "nodes")
-    gate = PollGate(quiet=True, fingerprint=fp, versions=frozenset({"5", "6"}), at=100.0)
+    gate = PollGate(quiet=True, budgeted=True, fingerprint=fp, versions=frozenset({"5", "6"}), at=100.0)
     assert not gate.due("6", fp, now=101.0, interval=10.0, tick=2.0)
     assert not gate.due("5", fp, now=108.9, interval=10.0, tick=2.0)  # the version read before its own write
     assert gate.due("6", fp, now=109.0, interval=10.0, tick=2.0)  # half a tick early is on time
     assert gate.due("7", fp, now=101.0, interval=10.0, tick=2.0)  # someone else wrote the job
     assert gate.due("6", ("pods", "other nodes"), now=101.0, interval=10.0, tick=2.0)
+    # a quiet job outside Running (not budgeted): only on a change, or every IDLE_RESYNC_SECONDS
+    from daedalus_operator.handlers import IDLE_RESYNC_SECONDS
+
+    idle = PollGate(quiet=True, budgeted=False, fingerprint=fp, versions=frozenset({"6"}), at=100.0)
+    assert not idle.due("6", fp, now=150.0, interval=10.0, tick=2.0)
+    assert idle.due("6", fp, now=100.0 + IDLE_RESYNC_SECONDS, interval=10.0, tick=2.0)
+    assert idle.due("6", ("pods", "other nodes"), now=101.0, interval=10.0, tick=2.0)
     assert PollGate(quiet=False, fingerprint=fp, versions=frozenset({"6"}), at=100.0).due(
         "6", fp, now=100.1, interval=10.0, tick=2.0)
 
 
 def test_steady_interval_shares_the_budget_and_skips_are_counted() -> None:
+    import time as _time
+
     from daedalus_operator.handlers import PollGate
 
     rt = Runtime(settings=OperatorSettings(poll_interval=2.0, poll_budget=20.0), metrics=OperatorMetrics())
     assert rt.steady_interval() == 2.0
-    rt.gates.update({f"uid-{i}": PollGate(quiet=i % 2 == 0) for i in range(200)})  # 100 quiet, 100 busy
-    assert rt.steady_interval() == 5.0
+    now = _time.monotonic()
+    for i in range(300):  # 100 quiet and Running (budgeted), 100 quiet in other phases, 100 busy
+        rt.put_gate(f"uid-{i}", PollGate(quiet=i % 3 < 2, budgeted=i % 3 == 0, at=now))
+    assert rt.budgeted == 100 and rt.steady_interval() == 5.0
     assert rt.metrics.steady_poll_seconds._value.get() == 5.0
+    rt.put_gate("uid-0", PollGate(quiet=False, at=now))  # replaced: no longer budgeted
+    rt.put_gate("uid-3", None)  # deleted
+    assert rt.budgeted == 98 and rt.steady_interval() == 4.9
     unlimited = Runtime(settings=OperatorSettings(poll_interval=2.0, poll_budget=0.0), metrics=OperatorMetrics())
-    unlimited.gates.update(rt.gates)
+    for uid, gate in rt.gates.items():
+        unlimited.put_gate(uid, gate)
     assert unlimited.steady_interval() == 2.0
+    # a gate no reconcile refreshed for longer than the horizon (a job deleted during a tick) stops counting
+    rt.put_gate("uid-6", PollGate(quiet=True, budgeted=True, at=now - 3600))
+    rt.pruned_at = 0.0
+    assert rt.steady_interval() == 4.85 and "uid-6" not in rt.gates and rt.budgeted == 97
 
     import time as _time
 
@@ -147,8 +166,9 @@ def test_steady_interval_shares_the_budget_and_skips_are_counted() -> None:
     indexes = _indexes()
     body = {"metadata": {"name": "local-tiny", "namespace": "ml", "uid": "u1", "resourceVersion": "6"}}
     assert rt.should_poll(body, indexes)  # never reconciled by this process
-    rt.gates["u1"] = PollGate(quiet=True, fingerprint=dependency_fingerprint("ml", "local-tiny", indexes),
-                              versions=frozenset({"6"}), at=_time.monotonic())
+    rt.put_gate("u1", PollGate(quiet=True, budgeted=True, fingerprint=dependency_fingerprint("ml", "local-tiny",
+                                                                                            indexes),
+                               versions=frozenset({"6"}), at=_time.monotonic()))
     assert not rt.should_poll(body, indexes)
     assert not rt.should_poll(body, indexes)
     assert rt.metrics.poll_skips._value.get() == 2
@@ -161,7 +181,7 @@ def test_is_quiet() -> None:
     from daedalus_operator.handlers import is_quiet
     from daedalus_operator.plan import EnsureChildren, Event, EventType, Plan, TrainerObservation
 
-    running = {"phase": "Running", "attempt": 2}
+    running = {"phase": "Running", "attempt": 2, "latestCheckpoint": {"step": 40, "path": "/c/step-000040"}}
     stepped = TrainerObservation(reachable=True, step=12, attempt=2, resumed_from=10)
     Phase = api.Phase
     assert is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=2.0), "Running", running, 2.0, stepped)
@@ -184,5 +204,8 @@ def test_is_quiet() -> None:
                         dict(running, unreachableSince="2026-01-01T00:00:00Z"), 2.0, stepped)
     for trainer in (None, TrainerObservation(), TrainerObservation(reachable=True, step=10, attempt=2, resumed_from=10),
                     TrainerObservation(reachable=True, step=12, attempt=1, resumed_from=0),
-                    TrainerObservation(reachable=True, step=0, attempt=2)):
+                    TrainerObservation(reachable=True, step=0, attempt=2),
+                    TrainerObservation(reachable=True, step=40, attempt=2)):  # no resumedFrom: the checkpoint's step
         assert not is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=2.0), "Running", running, 2.0, trainer)
+    assert is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=2.0), "Running", running, 2.0,
+                    TrainerObservation(reachable=True, step=41, attempt=2))

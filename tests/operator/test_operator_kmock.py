@@ -39,6 +39,7 @@ def children(env: OperatorEnv) -> dict[str, dict | None]:
     return {name + "/" + key.split("/")[-1]: env.kube.get(key, "ml", name) for key, name in CHILDREN}
 
 
+@pytest.mark.parametrize("env", [("--poll-budget", "0")], indirect=True)  # every tick reconciles, quiet or not
 def test_children_owner_refs_token_metrics_liveness(env: OperatorEnv) -> None:
     job = env.apply(env.job_manifest())
     st = env.wait_phase("Provisioning", timeout=30)
@@ -186,6 +187,7 @@ def test_api_timeouts_are_retried(env: OperatorEnv) -> None:
     assert float(text.split('daedalus_operator_reconciles_total{result="error"} ')[1].split()[0]) >= 1
 
 
+@pytest.mark.parametrize("env", [("--poll-budget", "0")], indirect=True)  # every tick reconciles, quiet or not
 def test_each_child_is_created_once(env: OperatorEnv) -> None:
     """``EnsureChildren`` is decided again while kopf's index has not seen the new RayCluster yet and again at every
     submission; the operator remembers what it created (handlers.Children), so the API sees one create per child and
@@ -201,6 +203,35 @@ def test_each_child_is_created_once(env: OperatorEnv) -> None:
             creates[r.resource.plural] = creates.get(r.resource.plural, 0) + 1
     assert {k: v for k, v in creates.items() if k != "events"} == {
         "configmaps": 1, "secrets": 1, "networkpolicies": 1, "rayclusters": 1}, creates
+    assert env.status()["phase"] == "Provisioning"
+
+
+def test_a_job_waiting_for_its_raycluster_is_looked_at_when_the_raycluster_changes(env: OperatorEnv) -> None:
+    """The default poll budget: a Provisioning job whose RayCluster is not ready and that has nothing to do is quiet;
+    the timer's ticks skip it (no requests) until the RayCluster changes, then the next tick reconciles it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counts() -> tuple[float, float]:
+        values = {smp.name: smp.value for fam in text_string_to_metric_families(env.metrics_text())
+                  for smp in fam.samples if smp.name in ("daedalus_operator_poll_skips_total",)}
+        reconciles = sum(smp.value for fam in text_string_to_metric_families(env.metrics_text())
+                         for smp in fam.samples if smp.name == "daedalus_operator_reconciles_total")
+        return reconciles, values.get("daedalus_operator_poll_skips_total", 0.0)
+
+    env.apply(env.job_manifest())
+    wait_for(lambda: all(children(env).values()), timeout=30, message="all children")
+    wait_for(lambda: counts()[1] >= 2, timeout=30, message="the timer to skip the waiting job")
+    reconciles0, skips0 = counts()
+    requests0 = len(env.api._requests)
+    time.sleep(10 * env.poll)
+    reconciles1, skips1 = counts()
+    assert skips1 - skips0 >= 7 and reconciles1 == reconciles0, (reconciles0, reconciles1, skips0, skips1)
+    # no reconcile, so no request about the job (each reconcile starts with a GET of it; the watches began before)
+    ours = [(str(getattr(r.method, "value", r.method)), r.resource.plural) for r in list(env.api._requests)[requests0:]
+            if r.resource is not None and not (r.headers or {}).get("User-Agent", "").startswith("python-requests")]
+    assert [r for r in ours if r[1] == "rltrainingjobs"] == [], ours
+    env.kube.patch("ray.io/v1/rayclusters", "ml", "local-tiny-ray", {"metadata": {"labels": {"touched": "yes"}}})
+    wait_for(lambda: counts()[0] > reconciles1, timeout=5, message="a reconcile after the RayCluster changed")
     assert env.status()["phase"] == "Provisioning"
 
 
