@@ -176,10 +176,13 @@ def test_contract_matches_the_trainer_metric_table() -> None:
 
 
 def test_contract_matches_the_operator_metrics() -> None:
-    """Every operator metric of the contract exists in OperatorMetrics' registry with the contract's labels."""
+    """Every operator metric of the contract exists in OperatorMetrics' registry with the contract's labels, and
+    the registry has no metric the contract lacks."""
     from daedalus_operator import metrics as module
     registry = module.OperatorMetrics().registry
     families = {f.name: f.type for f in registry.collect()}
+    contract = {n.removesuffix("_total") if k == "counter" else n for n, (k, _) in OPERATOR_METRICS.items()}
+    assert set(families) == contract, sorted(set(families) ^ contract)
     collectors = dict(registry._names_to_collectors)
     for name, (kind, labels) in OPERATOR_METRICS.items():
         family = name.removesuffix("_total") if kind == "counter" else name
