@@ -111,9 +111,9 @@ class Children:
 #: Phases in which a job whose reconcile planned nothing may be looked at less often than ``poll_interval`` (the poll
 #: budget, :class:`PollGate`): waiting on Kubernetes objects (which wake it at once when they change), training, or
 #: ended. Never ``Checkpointing`` or ``Recovering``: a checkpoint call in flight and a recovery's timings are observed
-#: only by looking.
-QUIET_PHASES = frozenset({api.Phase.PENDING, api.Phase.PROVISIONING, api.Phase.RUNNING, api.Phase.SUSPENDED,
-                          api.Phase.SUCCEEDED, api.Phase.FAILED})
+#: only by looking. (``Pending`` always plans the children's creation, so it is never quiet either.)
+QUIET_PHASES = frozenset({api.Phase.PROVISIONING, api.Phase.RUNNING, api.Phase.SUSPENDED, api.Phase.SUCCEEDED,
+                          api.Phase.FAILED})
 
 #: Seconds between looks at a quiet job that is not ``Running`` when nothing it depends on changed (:class:`PollGate`).
 IDLE_RESYNC_SECONDS = 300.0
@@ -125,9 +125,8 @@ class PollGate:
 
     A job is *quiet* after a reconcile that changed nothing but its progress (:func:`is_quiet`). A quiet job is
     reconciled again when its interval is over, or at once when anything it depends on in Kubernetes changed
-    since: its body (a
-    ``resourceVersion`` other than the ones that reconcile read and wrote), or :func:`dependency_fingerprint` of its
-    pods, their nodes, its RayCluster and RayService in kopf's indexes. A job that is not quiet is reconciled on
+    since: its body (a ``resourceVersion`` other than the ones that reconcile read and wrote), or
+    :func:`dependency_fingerprint` of its pods, their nodes, its RayCluster and RayService in kopf's indexes. A job that is not quiet is reconciled on
     every tick, as without a budget.
 
     The interval of a quiet ``Running`` job (*budgeted*) is the steady interval, ``max(poll_interval, budgeted jobs /
@@ -267,16 +266,19 @@ class Runtime:
         handler alongside it) must not count for ever."""
         budget, poll = self.settings.poll_budget, self.settings.poll_interval
         now = time.monotonic()
+
+        def interval() -> float:
+            return max(poll, self.budgeted / budget) if budget > 0 else poll
+
         with self.guard:
-            interval = max(poll, self.budgeted / budget) if budget > 0 else poll
             if now - self.pruned_at > 60.0:
                 self.pruned_at = now
-                horizon = max(2 * IDLE_RESYNC_SECONDS, 4 * interval)
+                horizon = max(2 * IDLE_RESYNC_SECONDS, 4 * interval())
                 for uid in [u for u, g in self.gates.items() if now - g.at > horizon]:
                     self.budgeted -= self.gates.pop(uid).budgeted
-                interval = max(poll, self.budgeted / budget) if budget > 0 else poll
-        self.metrics.steady_poll_seconds.set(interval)
-        return interval
+            seconds = interval()
+        self.metrics.steady_poll_seconds.set(seconds)
+        return seconds
 
     def should_poll(self, body: dict[str, Any], indexes: dict[str, Any]) -> bool:
         """Whether the poll timer's tick for the job ``body`` (kopf's latest copy) reconciles it now
@@ -286,10 +288,12 @@ class Runtime:
         Raises:
             kopf.TemporaryError: an index kept changing while it was copied (:func:`_copy_retrying`).
         """
+        if self.settings.poll_budget <= 0:
+            return True
         meta = body.get("metadata") or {}
         with self.guard:
             gate = self.gates.get(meta.get("uid", ""))
-        if gate is None or not gate.quiet or self.settings.poll_budget <= 0:
+        if gate is None or not gate.quiet:
             return True
         due = gate.due(meta.get("resourceVersion"), dependency_fingerprint(meta["namespace"], meta["name"], indexes),
                        time.monotonic(), self.steady_interval(), self.settings.poll_interval)
