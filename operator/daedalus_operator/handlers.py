@@ -115,7 +115,8 @@ class Children:
 QUIET_PHASES = frozenset({api.Phase.PROVISIONING, api.Phase.RUNNING, api.Phase.SUSPENDED, api.Phase.SUCCEEDED,
                           api.Phase.FAILED})
 
-#: Seconds between looks at a quiet job that is not ``Running`` when nothing it depends on changed (:class:`PollGate`).
+#: Default seconds between looks at a quiet job that is not ``Running`` when nothing it depends on changed
+#: (:class:`PollGate`; ``--idle-resync``).
 IDLE_RESYNC_SECONDS = 300.0
 
 
@@ -132,7 +133,8 @@ class PollGate:
     The interval of a quiet ``Running`` job (*budgeted*) is the steady interval, ``max(poll_interval, budgeted jobs /
     poll_budget)``: a training job learns only by looking that its Ray job ended or failed. A quiet job in another
     phase (waiting for its RayCluster, suspended, ended) depends on nothing but Kubernetes objects, so it is looked at
-    when they change and otherwise every :data:`IDLE_RESYNC_SECONDS` (a safety net), outside the budget: a thousand
+    when they change and otherwise every ``idle`` seconds (``--idle-resync``, default :data:`IDLE_RESYNC_SECONDS`:
+    a safety net), outside the budget: a thousand
     finished jobs do not slow the look at a running one.
 
     Attributes:
@@ -150,13 +152,15 @@ class PollGate:
     versions: frozenset = frozenset()
     at: float = 0.0
 
-    def due(self, version: str | None, fingerprint: Any, now: float, interval: float, tick: float) -> bool:
+    def due(self, version: str | None, fingerprint: Any, now: float, interval: float, tick: float,
+            idle: float = IDLE_RESYNC_SECONDS) -> bool:
         """Whether a timer tick at ``now`` (monotonic seconds) should reconcile. ``interval``: the steady interval
         for quiet jobs (seconds); ``tick``: the timer's interval (seconds), half of which is tolerated as jitter so
-        that a tick a few milliseconds early does not wait a whole extra tick."""
+        that a tick a few milliseconds early does not wait a whole extra tick; ``idle``: the resync interval of a
+        quiet job that is not budgeted (seconds; never shorter than ``interval``)."""
         if not self.quiet or version not in self.versions or fingerprint != self.fingerprint:
             return True
-        wait = interval if self.budgeted else max(interval, IDLE_RESYNC_SECONDS)
+        wait = interval if self.budgeted else max(interval, idle)
         return now - self.at >= wait - tick / 2
 
 
@@ -261,7 +265,7 @@ class Runtime:
     def steady_interval(self) -> float:
         """Seconds between reconciles of a quiet ``Running`` job (:class:`PollGate`): ``poll_interval``, or the
         count of such jobs divided by ``poll_budget`` when that is longer (the budget is per second, for all of
-        them). At most once a minute, gates no reconcile has refreshed for ``max(2 x IDLE_RESYNC_SECONDS, 4 x the
+        them). At most once a minute, gates no reconcile has refreshed for ``max(2 x idle_resync, 4 x the
         interval)`` are dropped: a job deleted while a tick's reconcile of it was under way (kopf runs the deletion
         handler alongside it) must not count for ever."""
         budget, poll = self.settings.poll_budget, self.settings.poll_interval
@@ -273,7 +277,7 @@ class Runtime:
         with self.guard:
             if now - self.pruned_at > 60.0:
                 self.pruned_at = now
-                horizon = max(2 * IDLE_RESYNC_SECONDS, 4 * interval())
+                horizon = max(2 * self.settings.idle_resync, 4 * interval())
                 for uid in [u for u, g in self.gates.items() if now - g.at > horizon]:
                     self.budgeted -= self.gates.pop(uid).budgeted
             seconds = interval()
@@ -296,7 +300,8 @@ class Runtime:
         if gate is None or not gate.quiet:
             return True
         due = gate.due(meta.get("resourceVersion"), dependency_fingerprint(meta["namespace"], meta["name"], indexes),
-                       time.monotonic(), self.steady_interval(), self.settings.poll_interval)
+                       time.monotonic(), self.steady_interval(), self.settings.poll_interval,
+                       self.settings.idle_resync)
         if not due:
             self.metrics.poll_skips.inc()
         return due

@@ -62,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "job every poll): with more than poll-interval x budget of them each is looked at less "
                         "often, but at once when its pods, nodes, RayCluster or the job itself change; quiet jobs "
                         "in other phases (waiting for a RayCluster, ended) are looked at on such a change or every "
-                        "5 minutes")
+                        "--idle-resync seconds")
+    p.add_argument("--idle-resync", type=float, default=300.0, metavar="SECONDS",
+                   help="with a poll budget: seconds between looks at a quiet job outside Running (waiting for "
+                        "its RayCluster, suspended, ended) when nothing it depends on changed")
     p.add_argument("--unreachable-grace", type=float, default=60.0,
                    help="seconds an unanswering Ray dashboard is tolerated before the head counts as lost")
     p.add_argument("--request-timeout", type=float, default=5.0, help="seconds per HTTP call to Ray/the trainer")
@@ -90,7 +93,8 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
     """Build :class:`OperatorSettings` from parsed arguments.
 
     Raises:
-        SystemExit: a malformed ``--operator-pod-label``, a negative ``--poll-budget`` or an entrypoint without
+        SystemExit: a malformed ``--operator-pod-label``, a negative ``--poll-budget``, a ``--idle-resync`` that is
+            not positive or an entrypoint without
             ``{config}``.
     """
     labels: list[tuple[str, str]] = []
@@ -101,6 +105,8 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         labels.append((k, v))
     if not args.poll_budget >= 0:
         raise SystemExit(f"--poll-budget must be >= 0 reconciles per second (0: no limit), got {args.poll_budget}")
+    if not args.idle_resync > 0:
+        raise SystemExit(f"--idle-resync must be > 0 seconds, got {args.idle_resync}")
     if "{config}" not in args.entrypoint:
         raise SystemExit(f"--entrypoint must contain {{config}} (the config file path): {args.entrypoint!r}")
     shlex.split(args.entrypoint)  # fail early on unbalanced quotes
@@ -113,6 +119,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         entrypoint=args.entrypoint,
         poll_interval=args.poll_interval,
         poll_budget=args.poll_budget,
+        idle_resync=args.idle_resync,
         unreachable_grace=args.unreachable_grace,
         request_timeout=args.request_timeout,
         deletion_timeout=args.deletion_timeout,

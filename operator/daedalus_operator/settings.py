@@ -31,9 +31,11 @@ class OperatorSettings:
             on every tick). A job is quiet when its last reconcile planned no action and no event and kept its phase
             (``handlers.is_quiet``); a quiet Running job is then reconciled every ``max(poll_interval, quiet Running
             jobs / poll_budget)`` seconds, a quiet job in another phase (waiting for its RayCluster, suspended, ended)
-            every ``handlers.IDLE_RESYNC_SECONDS``, and either at once when something it depends on changes (its
+            every ``idle_resync`` seconds, and either at once when something it depends on changes (its
             body, pods, RayCluster, RayService, or the nodes of its pods). Only the time to notice what no
             Kubernetes object shows (a Ray job that failed, the trainer's step) grows with the number of jobs.
+        idle_resync: seconds between looks at a quiet job outside ``Running`` whose dependencies did not change
+            (a safety net for what a watch could miss; default ``handlers.IDLE_RESYNC_SECONDS``, 300).
         unreachable_grace: seconds an unanswering dashboard is tolerated before the head counts as lost.
         request_timeout: seconds for one HTTP call to the Ray dashboard or the trainer.
         deletion_timeout: seconds after ``deletionTimestamp`` after which the finalizer is released whatever failed.
@@ -54,6 +56,7 @@ class OperatorSettings:
     entrypoint: str = api.ENTRYPOINT
     poll_interval: float = 2.0
     poll_budget: float = 20.0
+    idle_resync: float = 300.0
     unreachable_grace: float = 60.0
     request_timeout: float = 5.0
     deletion_timeout: float = 120.0

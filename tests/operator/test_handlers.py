@@ -131,6 +131,10 @@ def test_poll_gate_due() -> None:
     assert not idle.due("6", fp, now=150.0, interval=10.0, tick=2.0)
     assert idle.due("6", fp, now=100.0 + IDLE_RESYNC_SECONDS, interval=10.0, tick=2.0)
     assert idle.due("6", ("pods", "other nodes"), now=101.0, interval=10.0, tick=2.0)
+    # --idle-resync 60: the safety net after 60 s, never before the steady interval
+    assert not idle.due("6", fp, now=158.0, interval=10.0, tick=2.0, idle=60.0)
+    assert idle.due("6", fp, now=160.0, interval=10.0, tick=2.0, idle=60.0)
+    assert not idle.due("6", fp, now=160.0, interval=90.0, tick=2.0, idle=60.0)
     assert PollGate(quiet=False, fingerprint=fp, versions=frozenset({"6"}), at=100.0).due(
         "6", fp, now=100.1, interval=10.0, tick=2.0)
 
@@ -175,6 +179,16 @@ def test_steady_interval_shares_the_budget_and_skips_are_counted() -> None:
     assert rt.should_poll(body, _indexes(cluster_rv="8"))
     assert rt.should_poll({"metadata": dict(body["metadata"], resourceVersion="9")}, indexes)
     assert rt.metrics.poll_skips._value.get() == 2
+    # a quiet job outside Running looked at 100 s ago: due with --idle-resync 50, not with the default 300
+    waiting = PollGate(quiet=True, budgeted=False, fingerprint=dependency_fingerprint("ml", "local-tiny", indexes),
+                       versions=frozenset({"6"}), at=_time.monotonic() - 100.0)
+    rt.put_gate("u1", waiting)
+    assert not rt.should_poll(body, indexes)
+    short = Runtime(settings=OperatorSettings(poll_interval=2.0, poll_budget=20.0, idle_resync=50.0),
+                    metrics=OperatorMetrics())
+    short.put_gate("u1", waiting)
+    assert short.should_poll(body, indexes)
+    assert rt.metrics.poll_skips._value.get() == 3
 
 
 def test_is_quiet() -> None:

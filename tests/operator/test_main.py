@@ -25,15 +25,15 @@ def test_arguments_become_settings() -> None:
                                       "--liveness", "http://0.0.0.0:8080/healthz", "--metrics-port", "9191",
                                       "--watch-timeout", "60", "--poll-interval", "1.5", "--control-port", "9500",
                                       "--operator-pod-label", "app=op", "--metrics-namespace", "monitoring",
-                                      "--poll-budget", "5"])
+                                      "--poll-budget", "5", "--idle-resync", "60"])
     assert args.namespace == ["ml", "team-*"] and args.peering == "daedalus" and args.priority == 5
     s = settings_from_args(args)
-    assert (s.watch_timeout, s.poll_interval, s.control_port, s.poll_budget) == (60, 1.5, 9500, 5.0)
+    assert (s.watch_timeout, s.poll_interval, s.control_port, s.poll_budget, s.idle_resync) == (60, 1.5, 9500, 5.0, 60.0)
     assert s.operator_pod_labels == (("app", "op"),) and s.metrics_namespaces == ("monitoring",)
     assert s.render_entrypoint() == "python -m daedalus_trainer train --config /etc/daedalus/config.json --resume latest"
     defaults = settings_from_args(build_parser().parse_args([]))
     assert defaults.control_port == api.CONTROL_PORT == 9400 and defaults.watch_timeout is None
-    assert defaults.poll_budget == 20.0
+    assert defaults.poll_budget == 20.0 and defaults.idle_resync == 300.0
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -41,6 +41,7 @@ def test_arguments_become_settings() -> None:
     (["--entrypoint", "python train.py"], "{config}"),
     (["--poll-budget", "-1"], "--poll-budget must be >= 0"),
     (["--poll-budget", "nan"], "--poll-budget must be >= 0"),
+    (["--idle-resync", "0"], "--idle-resync must be > 0"),
 ])
 def test_bad_arguments_fail_clearly(argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit, match=message.replace("{", r"\{").replace("}", r"\}")):
