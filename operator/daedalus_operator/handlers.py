@@ -134,8 +134,7 @@ class PollGate:
     poll_budget)``: a training job learns only by looking that its Ray job ended or failed. A quiet job in another
     phase (waiting for its RayCluster, suspended, ended) depends on nothing but Kubernetes objects, so it is looked at
     when they change and otherwise every ``idle`` seconds (``--idle-resync``, default :data:`IDLE_RESYNC_SECONDS`:
-    a safety net), outside the budget: a thousand
-    finished jobs do not slow the look at a running one.
+    a safety net), outside the budget: a thousand finished jobs do not slow the look at a running one.
 
     Attributes:
         quiet: see above.

@@ -94,8 +94,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
 
     Raises:
         SystemExit: a malformed ``--operator-pod-label``, a negative ``--poll-budget``, a ``--idle-resync`` that is
-            not positive or an entrypoint without
-            ``{config}``.
+            not positive or an entrypoint without ``{config}``.
     """
     labels: list[tuple[str, str]] = []
     for item in args.operator_pod_label:
