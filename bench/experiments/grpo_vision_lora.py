@@ -91,7 +91,7 @@ first = last = evaluate(0)
 for step in range(a.steps):
     episodes = [m for m in sampler.mazes(step, M) for _ in range(G)]
     trajs = worker.rollout(episodes, step, learner.adapter_state(), step)
-    u = learner.update(trajs, G)
+    u = learner.update(trajs, G, step + 1)  # 1-based: the job's learning-rate schedule (cosine in the example)
     print(step, "success %.3f" % (sum(t.success for t in trajs) / len(trajs)),
           "bumps", sum(tt.wall_bump for t in trajs for tt in t.turns), "zero-variance groups", u.zero_variance_groups,
           "grad norm %.3f" % (u.grad_norm or 0), f"t={time.time() - t0:.0f}", flush=True)
