@@ -21,8 +21,9 @@ the vision blocks and mergers, lr 5e-4 (the example's)::
 
 held-out greedy 64.1% / 64.1% / 64.1% / 65.6% at steps 0 / 10 / 20 / 30: no gain either.
 
-With the example's settings of 2026-12-01 (lr 2e-3 cosine, T=0.5, ``seq-mean-token-mean``, 48 steps), from session 9's
-52.7% start, 256 episodes::
+With the example's settings of 2026-12-01 (T=0.5, ``seq-mean-token-mean``, 48 steps) but the learning rate held at its
+2e-3 peak (the script passed no step to ``Learner.update`` then; it does now, so the job's cosine applies), from
+session 9's 52.7% start, 256 episodes::
 
     .venv/bin/python bench/experiments/grpo_vision_lora.py runs/local-tiny-s9-engine/sft/model 48 \
         --targets q_proj,k_proj,v_proj,o_proj,qkv,proj,linear_fc1,linear_fc2 --eval-every 0 --corners 4
