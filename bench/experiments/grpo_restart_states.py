@@ -21,7 +21,6 @@ Figures: bench/experiments/README.md (row ``grpo_restart_states.py``). Run from 
     .venv/bin/python bench/experiments/grpo_restart_states.py runs/local-tiny-s9-engine/sft/model 48
 """
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -30,14 +29,9 @@ from pathlib import Path
 
 os.environ["OMP_NUM_THREADS"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import apply_overrides, load_example, override  # noqa: E402
+from _common import apply_overrides, heldout_greedy, in_process_parser, load_example  # noqa: E402
 
-ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("start", help="start model directory (e.g. runs/local-tiny/sft/model)")
-ap.add_argument("steps", type=int, help="GRPO steps")
-ap.add_argument("overrides", nargs="*", type=override, metavar="KEY.PATH=VALUE",
-                help="overrides under the spec of examples/local-tiny.yaml, values parsed as YAML")
-ap.add_argument("--work-dir", default="runs/experiments/work-restart", help="work directory of the actors")
+ap = in_process_parser(__doc__, "runs/experiments/work-restart")
 ap.add_argument("--restart", choices=("failed", "none"), default="failed",
                 help="'none': every group from the maze's start (the control, same harness)")
 a = ap.parse_args()
@@ -64,14 +58,7 @@ greedy = SamplingParams(0.0, 1.0, job.spec.algorithm.max_tokens_per_turn)
 t0 = time.time()
 
 
-def evaluate(step):
-    wins = [int(w) for w in worker.evaluate(heldout, learner.adapter_state(), step)]
-    print("EVAL step", step, sum(wins) / len(wins), f"({sum(wins)}/{len(wins)})", f"t={time.time() - t0:.0f}",
-          flush=True)
-    return wins
-
-
-first = evaluate(0)
+first = heldout_greedy(worker, learner, heldout, 0, t0)
 for step in range(a.steps):
     mazes = sampler.mazes(step, M)
     restarted = 0
@@ -97,7 +84,7 @@ for step in range(a.steps):
     print(step, "success %.3f" % (sum(t.success for t in trajs) / len(trajs)), "restarted", restarted,
           "zero-variance groups", u.zero_variance_groups, "grad norm %.3f" % (u.grad_norm or 0),
           f"t={time.time() - t0:.0f}", flush=True)
-last = evaluate(a.steps)
+last = heldout_greedy(worker, learner, heldout, a.steps, t0)
 g = paired_gain(first, last, 4)
 print(f"gain {100 * g['gain']:+.1f} points [{100 * g['ci_low']:+.1f}, {100 * g['ci_high']:+.1f}]; fixed {g['fixed']}, "
       f"broken {g['broken']}", flush=True)

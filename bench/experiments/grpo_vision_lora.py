@@ -34,7 +34,6 @@ language-model-only LoRA on a local Ray from the same start: no difference.
 Run from the repository root.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -42,15 +41,10 @@ from pathlib import Path
 
 os.environ["OMP_NUM_THREADS"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import apply_overrides, load_example, override  # noqa: E402
+from _common import apply_overrides, heldout_greedy, in_process_parser, load_example  # noqa: E402
 
-ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("start", help="start model directory (e.g. runs/local-tiny/sft/model)")
-ap.add_argument("steps", type=int, help="GRPO steps")
-ap.add_argument("overrides", nargs="*", type=override, metavar="KEY.PATH=VALUE",
-                help="overrides under the spec of examples/local-tiny.yaml, values parsed as YAML")
+ap = in_process_parser(__doc__, "runs/experiments/work-vision-lora")
 ap.add_argument("--targets", default=None, help="comma-separated LoRA target module names (default: the example's)")
-ap.add_argument("--work-dir", default="runs/experiments/work-vision-lora", help="work directory of the actors")
 ap.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations (0: start and end only)")
 ap.add_argument("--corners", type=int, default=1, choices=(1, 4),
                 help="corner pairs per held-out layout (4: 256 episodes and the paired gain of the end against the "
@@ -81,14 +75,7 @@ G, M = job.spec.algorithm.group_size, job.spec.algorithm.mazes_per_step
 t0 = time.time()
 
 
-def evaluate(step):
-    wins = [int(w) for w in worker.evaluate(heldout, learner.adapter_state(), step)]
-    print("EVAL step", step, sum(wins) / len(wins), f"({sum(wins)}/{len(wins)})", f"t={time.time() - t0:.0f}",
-          flush=True)
-    return wins
-
-
-first = last = evaluate(0)
+first = last = heldout_greedy(worker, learner, heldout, 0, t0)
 for step in range(a.steps):
     episodes = [m for m in sampler.mazes(step, M) for _ in range(G)]
     trajs = worker.rollout(episodes, step, learner.adapter_state(), step)
@@ -97,7 +84,7 @@ for step in range(a.steps):
           "bumps", sum(tt.wall_bump for t in trajs for tt in t.turns), "zero-variance groups", u.zero_variance_groups,
           "grad norm %.3f" % (u.grad_norm or 0), f"t={time.time() - t0:.0f}", flush=True)
     if (a.eval_every and (step + 1) % a.eval_every == 0) or step + 1 == a.steps:
-        last = evaluate(step + 1)
+        last = heldout_greedy(worker, learner, heldout, step + 1, t0)
 g = paired_gain(first, last, a.corners)
 print(f"gain {100 * g['gain']:+.1f} points [{100 * g['ci_low']:+.1f}, {100 * g['ci_high']:+.1f}]; fixed {g['fixed']}, "
       f"broken {g['broken']}", flush=True)
