@@ -117,7 +117,7 @@ QUIET_PHASES = frozenset({api.Phase.PROVISIONING, api.Phase.RUNNING, api.Phase.S
 
 #: Default seconds between looks at a quiet job that is not ``Running`` when nothing it depends on changed
 #: (:class:`PollGate`; ``--idle-resync``).
-IDLE_RESYNC_SECONDS = 300.0
+IDLE_RESYNC_SECONDS = OperatorSettings.idle_resync
 
 
 @dataclasses.dataclass

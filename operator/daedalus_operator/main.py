@@ -22,7 +22,7 @@ from typing import Any
 import kopf
 
 from daedalus_operator import api, kube
-from daedalus_operator.handlers import Runtime, register
+from daedalus_operator.handlers import IDLE_RESYNC_SECONDS, Runtime, register
 from daedalus_operator.metrics import OperatorMetrics
 from daedalus_operator.settings import OperatorSettings
 
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "often, but at once when its pods, nodes, RayCluster or the job itself change; quiet jobs "
                         "in other phases (waiting for a RayCluster, ended) are looked at on such a change or every "
                         "--idle-resync seconds")
-    p.add_argument("--idle-resync", type=float, default=300.0, metavar="SECONDS",
+    p.add_argument("--idle-resync", type=float, default=IDLE_RESYNC_SECONDS, metavar="SECONDS",
                    help="with a poll budget: seconds between looks at a quiet job outside Running (waiting for "
                         "its RayCluster, suspended, ended) when nothing it depends on changed")
     p.add_argument("--unreachable-grace", type=float, default=60.0,

@@ -222,7 +222,7 @@ def test_a_job_waiting_for_its_raycluster_is_looked_at_when_the_raycluster_chang
     wait_for(lambda: all(children(env).values()), timeout=30, message="all children")
     wait_for(lambda: counts()[1] >= 2, timeout=30, message="the timer to skip the waiting job")
 
-    def settled() -> bool:  # three ticks skipped in a row: the fake KubeRay's last change to the pods is handled
+    def settled() -> bool:  # three ticks in a row skipped, none reconciled
         r0, s0 = counts()
         time.sleep(3 * env.poll)
         r1, s1 = counts()
