@@ -37,7 +37,7 @@ import kopf
 from daedalus_trainer.config import RLTrainingJobStatus, SpecError, parse_job
 
 from daedalus_operator import api, kube, resources
-from daedalus_operator.metrics import OperatorMetrics
+from daedalus_operator.metrics import WAKE_REASONS, OperatorMetrics
 from daedalus_operator.nodes import format_time, node_health, parse_time, read_cluster
 from daedalus_operator.plan import (
     DeleteCluster,
@@ -157,10 +157,22 @@ class PollGate:
         for quiet jobs (seconds); ``tick``: the timer's interval (seconds), half of which is tolerated as jitter so
         that a tick a few milliseconds early does not wait a whole extra tick; ``idle``: the resync interval of a
         quiet job that is not budgeted (seconds; never shorter than ``interval``)."""
-        if not self.quiet or version not in self.versions or fingerprint != self.fingerprint:
+        if not self.quiet or self.changed(version, fingerprint) is not None:
             return True
         wait = interval if self.budgeted else max(interval, idle)
         return now - self.at >= wait - tick / 2
+
+    def changed(self, version: str | None, fingerprint: Any) -> str | None:
+        """What the job depends on that changed since the reconcile that made this gate, the first difference found
+        in the order of :data:`~daedalus_operator.metrics.WAKE_REASONS`: ``"job"`` (a ``resourceVersion`` that
+        reconcile neither read nor wrote), ``"pods"``, ``"nodes"``, ``"raycluster"``, ``"rayservice"``
+        (the parts of :func:`dependency_fingerprint`); ``None`` when nothing did."""
+        if version not in self.versions:
+            return "job"
+        if fingerprint == self.fingerprint:
+            return None
+        old = self.fingerprint or (None,) * len(fingerprint)
+        return next((reason for reason, now, then in zip(WAKE_REASONS[1:], fingerprint, old) if now != then), "pods")
 
 
 def is_quiet(result: str, last: Plan, first_phase: str | None, status: dict[str, Any], poll: float,
@@ -283,10 +295,12 @@ class Runtime:
         self.metrics.steady_poll_seconds.set(seconds)
         return seconds
 
-    def should_poll(self, body: dict[str, Any], indexes: dict[str, Any]) -> bool:
+    def should_poll(self, body: dict[str, Any], indexes: dict[str, Any], logger: Any = None) -> bool:
         """Whether the poll timer's tick for the job ``body`` (kopf's latest copy) reconciles it now
         (:meth:`PollGate.due`; always with ``poll_budget`` 0); a tick that does not is counted in
-        ``daedalus_operator_poll_skips_total``.
+        ``daedalus_operator_poll_skips_total``. A quiet job woken because something it depends on changed is counted
+        in ``daedalus_operator_poll_wakes_total`` by :meth:`PollGate.changed`, and ``logger`` (kopf's per-object
+        logger; ``None``: this module's) says at debug level what changed.
 
         Raises:
             kopf.TemporaryError: an index kept changing while it was copied (:func:`_copy_retrying`).
@@ -298,8 +312,15 @@ class Runtime:
             gate = self.gates.get(meta.get("uid", ""))
         if gate is None or not gate.quiet:
             return True
-        due = gate.due(meta.get("resourceVersion"), dependency_fingerprint(meta["namespace"], meta["name"], indexes),
-                       time.monotonic(), self.steady_interval(), self.settings.poll_interval,
+        version = meta.get("resourceVersion")
+        fingerprint = dependency_fingerprint(meta["namespace"], meta["name"], indexes)
+        reason = gate.changed(version, fingerprint)
+        if reason is not None:
+            self.metrics.poll_wakes.labels(reason=reason).inc()
+            (logger or log).debug("quiet job woken: its %s changed since the last reconcile",
+                                  "body" if reason == "job" else reason)
+            return True
+        due = gate.due(version, fingerprint, time.monotonic(), self.steady_interval(), self.settings.poll_interval,
                        self.settings.idle_resync)
         if not due:
             self.metrics.poll_skips.inc()
@@ -796,7 +817,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     @kopf.timer(*RLTJ, interval=s.poll_interval, id="poll", registry=registry)
     def poll(namespace: str, name: str, body: Any, logger: Any, **kw: Any) -> None:
         indexes = _indexes(kw)
-        if rt.should_poll(dict(body), indexes):
+        if rt.should_poll(dict(body), indexes, logger):
             reconcile(rt, namespace, name, indexes, logger, wait_for_lock=False)
 
     @kopf.on.delete(*RLTJ, id="finalize", registry=registry)

@@ -23,6 +23,15 @@ name                                           type      labels                 
                                                                                  resubmitted attempt completes a new
                                                                                  step (seconds)
 ``daedalus_operator_job_restarts``             gauge     namespace, job          ``status.restarts`` of the job
+``daedalus_operator_poll_skips_total``         counter                           poll-timer ticks that did not
+                                                                                 reconcile a quiet job
+                                                                                 (``--poll-budget``)
+``daedalus_operator_poll_wakes_total``         counter   reason=job|pods|nodes|  poll-timer ticks that reconciled a
+                                                         raycluster|rayservice   quiet job before its interval was
+                                                                                 over because what it depends on
+                                                                                 changed (the first difference found)
+``daedalus_operator_steady_poll_seconds``      gauge                             seconds between reconciles of a
+                                                                                 quiet Running job
 ============================================== ========= ======================= ====================================
 
 Each :class:`OperatorMetrics` has its own ``CollectorRegistry`` (several operators can live in one test process).
@@ -38,6 +47,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from daedalus_operator.api import Phase
 
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: The ``reason`` values of ``daedalus_operator_poll_wakes_total``, in the order they are checked
+#: (:meth:`daedalus_operator.handlers.PollGate.changed`).
+WAKE_REASONS = ("job", "pods", "nodes", "raycluster", "rayservice")
 RECOVERY_BUCKETS = (5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
 
 
@@ -65,11 +77,17 @@ class OperatorMetrics:
         self.poll_skips = Counter("daedalus_operator_poll_skips_total",
                                   "Timer ticks that did not reconcile: a quiet job, nothing it depends on changed "
                                   "and its steady poll interval not yet over.", registry=r)
+        self.poll_wakes = Counter("daedalus_operator_poll_wakes_total",
+                                  "Timer ticks that reconciled a quiet job before its interval was over, by what it "
+                                  "depends on that changed first: job, pods, nodes, raycluster, rayservice.",
+                                  ["reason"], registry=r)
         self.steady_poll_seconds = Gauge("daedalus_operator_steady_poll_seconds",
                                          "Seconds between reconciles of a quiet job: the poll interval, or longer "
                                          "when the quiet jobs would exceed the poll budget.", registry=r)
         for result in ("ok", "error", "requeue"):
             self.reconciles.labels(result=result)
+        for reason in WAKE_REASONS:
+            self.poll_wakes.labels(reason=reason)
         self._phases: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         self._refresh_jobs()

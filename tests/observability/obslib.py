@@ -61,6 +61,7 @@ OPERATOR_METRICS = {
     "daedalus_operator_recovery_seconds": ("histogram", ()),
     "daedalus_operator_job_restarts": ("gauge", ("namespace", "job")),
     "daedalus_operator_poll_skips_total": ("counter", ()),
+    "daedalus_operator_poll_wakes_total": ("counter", ("reason",)),
     "daedalus_operator_steady_poll_seconds": ("gauge", ()),
 }
 #: Operator metrics without the RLTrainingJob's labels (dashboards must not filter them by $namespace/$job).

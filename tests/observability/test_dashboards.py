@@ -34,7 +34,8 @@ REQUIRED_METRICS = {
     "operator.json": {
         "daedalus_operator_reconciles_total", "daedalus_operator_reconcile_seconds", "daedalus_operator_jobs",
         "daedalus_operator_restarts_total", "daedalus_operator_recovery_seconds", "daedalus_operator_job_phase",
-        "daedalus_operator_poll_skips_total", "daedalus_operator_steady_poll_seconds",
+        "daedalus_operator_poll_skips_total", "daedalus_operator_poll_wakes_total",
+        "daedalus_operator_steady_poll_seconds",
     },
 }
 

@@ -11,7 +11,7 @@ import yaml
 
 from daedalus_operator import api
 from daedalus_operator.handlers import Runtime, gather, job_view
-from daedalus_operator.metrics import OperatorMetrics
+from daedalus_operator.metrics import WAKE_REASONS, OperatorMetrics
 from daedalus_operator.settings import OperatorSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,6 +139,28 @@ def test_poll_gate_due() -> None:
         "6", fp, now=100.1, interval=10.0, tick=2.0)
 
 
+def test_poll_gate_says_what_changed() -> None:
+    """PollGate.changed names the first dependency that differs from the gate's reconcile (the reason label of
+    daedalus_operator_poll_wakes_total), on real fingerprints of the same indexes the operator keeps."""
+    from daedalus_operator.handlers import PollGate, dependency_fingerprint
+
+    def fp(**kw) -> tuple:
+        return dependency_fingerprint("ml", "local-tiny", _indexes(**kw))
+
+    gate = PollGate(quiet=True, budgeted=True, fingerprint=fp(), versions=frozenset({"5", "6"}), at=100.0)
+    assert gate.changed("6", fp()) is None and gate.changed("5", fp(other_pod_rv="9")) is None
+    assert gate.changed("7", fp()) == "job"
+    assert gate.changed("7", fp(cluster_rv="8")) == "job"  # the body is checked first
+    assert gate.changed("6", fp(pods=(("head", "node-a", "10"), ("worker", "node-b", "12")))) == "pods"
+    sick = {"node-a": _node("node-a"), "node-b": _node("node-b", health="UnschedulablePendingReplacement")}
+    assert gate.changed("6", fp(nodes=sick)) == "nodes"
+    assert gate.changed("6", fp(cluster_rv="8")) == "raycluster"
+    served = _indexes()
+    served["services_by_job"] = Index({("ml", "local-tiny"): [{"metadata": {"name": "local-tiny-serve",
+                                                                           "resourceVersion": "3"}}]})
+    assert gate.changed("6", dependency_fingerprint("ml", "local-tiny", served)) == "rayservice"
+
+
 def test_steady_interval_shares_the_budget_and_skips_are_counted() -> None:
     import time as _time
 
@@ -179,6 +201,8 @@ def test_steady_interval_shares_the_budget_and_skips_are_counted() -> None:
     assert rt.should_poll(body, _indexes(cluster_rv="8"))
     assert rt.should_poll({"metadata": dict(body["metadata"], resourceVersion="9")}, indexes)
     assert rt.metrics.poll_skips._value.get() == 2
+    wakes = {r: rt.metrics.poll_wakes.labels(reason=r)._value.get() for r in WAKE_REASONS}
+    assert wakes == {"job": 1, "pods": 0, "nodes": 0, "raycluster": 1, "rayservice": 0}
     # a quiet job outside Running looked at 100 s ago: due with --idle-resync 50, not with the default 300
     waiting = PollGate(quiet=True, budgeted=False, fingerprint=dependency_fingerprint("ml", "local-tiny", indexes),
                        versions=frozenset({"6"}), at=_time.monotonic() - 100.0)

@@ -218,6 +218,10 @@ def test_a_job_waiting_for_its_raycluster_is_looked_at_when_the_raycluster_chang
                          for smp in fam.samples if smp.name == "daedalus_operator_reconciles_total")
         return reconciles, values.get("daedalus_operator_poll_skips_total", 0.0)
 
+    def wakes() -> dict[str, float]:  # what woke the quiet job early, by reason (the failure message says it)
+        return {smp.labels["reason"]: smp.value for fam in text_string_to_metric_families(env.metrics_text())
+                for smp in fam.samples if smp.name == "daedalus_operator_poll_wakes_total" and smp.value}
+
     env.apply(env.job_manifest())
     wait_for(lambda: all(children(env).values()), timeout=30, message="all children")
     wait_for(lambda: counts()[1] >= 2, timeout=30, message="the timer to skip the waiting job")
@@ -233,16 +237,19 @@ def test_a_job_waiting_for_its_raycluster_is_looked_at_when_the_raycluster_chang
     # the window starts only after three skipped ticks in a row.
     wait_for(settled, timeout=30, message="three ticks in a row that skip the waiting job")
     reconciles0, skips0 = counts()
+    wakes0 = wakes()
     requests0 = len(env.api._requests)
     time.sleep(10 * env.poll)
     reconciles1, skips1 = counts()
-    assert skips1 - skips0 >= 7 and reconciles1 == reconciles0, (reconciles0, reconciles1, skips0, skips1)
+    assert skips1 - skips0 >= 7 and reconciles1 == reconciles0, (reconciles0, reconciles1, skips0, skips1, wakes0,
+                                                                 wakes())
     # no reconcile, so no request about the job (each reconcile starts with a GET of it; the watches began before)
     ours = [(str(getattr(r.method, "value", r.method)), r.resource.plural) for r in list(env.api._requests)[requests0:]
             if r.resource is not None and not (r.headers or {}).get("User-Agent", "").startswith("python-requests")]
     assert [r for r in ours if r[1] == "rltrainingjobs"] == [], ours
     env.kube.patch("ray.io/v1/rayclusters", "ml", "local-tiny-ray", {"metadata": {"labels": {"touched": "yes"}}})
     wait_for(lambda: counts()[0] > reconciles1, timeout=5, message="a reconcile after the RayCluster changed")
+    assert wakes().get("raycluster", 0) == wakes0.get("raycluster", 0) + 1, (wakes0, wakes())
     assert env.status()["phase"] == "Provisioning"
 
 
