@@ -154,6 +154,40 @@ def test_sft_trains_resumes_bit_exactly_and_eval_reproduces(tmp_path):
     assert rep.result("greedy").to_dict() | {"seconds": 0} == report["final_eval"] | {"seconds": 0}
 
 
+def test_sft_refuses_a_run_that_other_settings_started(tmp_path):
+    """A finished SFT run is not handed back, nor continued, for a job whose data or model settings differ (the
+    error names each field and both values); a raised budget continues it; a checkpoint written before the identity
+    was kept is continued as before."""
+    from daedalus_trainer.checkpoint import CheckpointError
+
+    fast = {"progress": False, "accuracy_turns": 4, "final_eval": False}
+    out = tmp_path / "sft"
+    sft.run_sft(_short_job(None, 2), out, resume=False, **fast)
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["identity"]["environment.actionFormat"] == "function" and "sft.steps" not in state["identity"]
+    def other(steps: int):
+        return make_tiny_job(None, sft={"steps": steps, "batchSize": 4, "learningRate": 0.003, "maxSeconds": 0},
+                             environment={"evalMazes": 16, "maxTurns": 4, "actionFormat": "tag"})
+
+    mtime = (out / "model" / "model.safetensors").stat().st_mtime_ns
+    with pytest.raises(CheckpointError) as err:
+        sft.run_sft(other(2), out, resume=True, **fast)
+    assert "environment.actionFormat: 'function' there, 'tag' in this job" in str(err.value)
+    assert "sft.learningRate" not in str(err.value) and "--resume none" in str(err.value)
+    assert (out / "model" / "model.safetensors").stat().st_mtime_ns == mtime  # nothing touched
+    # the budget may change: 3 steps continue the 2-step run
+    sft.run_sft(_short_job(None, 3), out, resume=True, **fast)
+    assert json.loads((out / sft.REPORT_NAME).read_text())["steps"] == 3
+    # a checkpoint from before identities: continued under the new settings (and given the job's identity)
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    del state["identity"]
+    (out / "checkpoint" / "state.json").write_text(json.dumps(state))
+    sft.run_sft(other(4), out, resume=True, **fast)
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["identity"]["environment.actionFormat"] == "tag"
+    # starting over is always allowed
+    sft.run_sft(_short_job(None, 2), out, resume=False, **fast)
+
+
 def test_finished_sft_is_found_from_another_working_directory(tmp_path, monkeypatch):
     """A run made with a relative --out, continued from another directory: done, nothing retrained (the report
     names its result relative to itself, not to the first run's working directory)."""

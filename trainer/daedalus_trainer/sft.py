@@ -340,6 +340,8 @@ class SFTState:
     #: The on-policy pool in use (:class:`OnPolicyPool`): its round (-1: none yet) and executed replies.
     pool_round: int = -1
     pool_replies: list[list[str]] = field(default_factory=list)
+    #: :func:`run_identity` of the job that started the run (``None`` in checkpoints written before it was kept).
+    identity: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         """JSON text."""
@@ -380,6 +382,54 @@ def save_checkpoint(out_dir: Path, policy: Policy, optimizer: torch.optim.Optimi
     _fsync_tree(tmp)
     _atomic_replace_dir(tmp, final)
     return final
+
+
+#: ``sft`` fields a run may change and still continue (:func:`check_same_run`): its budget (a raised one continues
+#: training) and the cadence of its held-out evaluations.
+RESUMABLE_SFT_FIELDS = ("steps", "maxSeconds", "evalEvery")
+
+
+def run_identity(job: Any) -> dict[str, Any]:
+    """What an SFT run's data and weights depend on, flat as ``{"section.field": value}`` with the API's spelling
+    (``environment.actionFormat``): the job's ``model`` and ``environment``, its ``sft`` section but for
+    :data:`RESUMABLE_SFT_FIELDS`, ``algorithm.maxTokensPerTurn`` (the on-policy pool's replies) and, when SFT trains
+    a LoRA adapter (a model that is not tiny), ``lora``."""
+    spec = job.spec
+    sections: dict[str, Any] = {"model": spec.model, "environment": spec.environment, "sft": spec.sft}
+    if not spec.model.tiny:
+        sections["lora"] = spec.lora
+    flat: dict[str, Any] = {}
+    for name, section in sections.items():
+        for key, value in section.model_dump(mode="json", by_alias=True).items():
+            if not (name == "sft" and key in RESUMABLE_SFT_FIELDS):
+                flat[f"{name}.{key}"] = value
+    flat["algorithm.maxTokensPerTurn"] = spec.algorithm.max_tokens_per_turn
+    return flat
+
+
+def check_same_run(ckpt: Path, job: Any) -> None:
+    """Refuse to continue, or to hand back as finished, an SFT run that another job's settings started.
+
+    Compares the :func:`run_identity` kept in ``ckpt/state.json`` with ``job``'s, field by field (fields only one of
+    them has, from another version of Daedalus, are not compared; a checkpoint without an identity passes).
+
+    Raises:
+        daedalus_trainer.checkpoint.CheckpointError: naming each differing field with both values and the ways on.
+    """
+    from daedalus_trainer.checkpoint import CheckpointError
+
+    saved = json.loads((ckpt / "state.json").read_text()).get("identity")
+    if not saved:
+        return
+    now = run_identity(job)
+    diff = [f"{k}: {saved[k]!r} there, {now[k]!r} in this job" for k in sorted(set(saved) & set(now))
+            if saved[k] != now[k]]
+    if diff:
+        raise CheckpointError(
+            f"{ckpt.parent} holds an SFT run started with other settings ({'; '.join(diff)}); continuing or reusing "
+            "it would mix the two. Restore those settings, train SFT again into the same directory (`daedalus run "
+            "--resume none`, `daedalus sft --no-resume`: the old SFT model is replaced), or give the job another "
+            "metadata.name")
 
 
 def _find_checkpoint(out_dir: Path) -> Path | None:
@@ -457,6 +507,8 @@ def run_sft(
     Raises:
         daedalus_trainer.layouts.LayoutError: the evaluation set leaves too few training layouts.
         FileNotFoundError: a real model without a local checkpoint.
+        daedalus_trainer.checkpoint.CheckpointError: with ``resume``, ``out_dir`` holds a run another job's
+            settings started (:func:`check_same_run`).
     """
     from tqdm.auto import tqdm
 
@@ -470,6 +522,8 @@ def run_sft(
         return st.step >= max_steps or (max_seconds > 0 and st.seconds >= max_seconds)
 
     ckpt = _find_checkpoint(out_dir) if resume else None
+    if ckpt is not None:
+        check_same_run(ckpt, job)
     if ckpt is not None and report_path.is_file():  # finished before: done unless the budget was raised since
         done = json.loads(report_path.read_text())
         result = out_dir / Path(done["result"]).name  # `model` or `adapter` here, wherever the run started from
@@ -479,6 +533,7 @@ def run_sft(
 
     layout_report = check_layouts(spec.environment)
     policy, state, opt_state = _load_start(job, out_dir, resume)
+    state.identity = run_identity(job)
     policy.model.train()
     params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=spec.sft.learning_rate, betas=ADAM_BETAS, weight_decay=0.0)
