@@ -45,6 +45,75 @@ def test_run_rejects_a_resume_path_without_a_checkpoint_before_sft(tmp_path):
     assert not (tmp_path / "runs" / job["metadata"]["name"] / "sft").exists()  # SFT never started
 
 
+def test_run_rejects_a_resume_checkpoint_of_another_adapter_before_sft(tmp_path, capsys):
+    """`--resume PATH` whose checkpoint holds a rank-4 adapter, for a job that trains rank 16: refused in seconds,
+    before SFT, Ray or the run directory, naming both values."""
+    import torch
+
+    from daedalus_trainer.checkpoint import AdapterState, CheckpointManager, TrainerState, capture_rng_state
+
+    lora = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+            "task_type": "CAUSAL_LM"}
+    tensors = {"base_model.model.x.lora_A.weight": torch.zeros(4, 8), "base_model.model.x.lora_B.weight": torch.zeros(8, 4)}
+    info = CheckpointManager(tmp_path / "other" / "checkpoints").save(
+        5, AdapterState(tensors, lora), {"state": {}, "param_groups": []},
+        TrainerState(sampler={}, rng=capture_rng_state(), metric_history=[]))
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(tiny_job_dict()))
+    runs = tmp_path / "runs"
+    assert cli.main(["run", str(job_file), "--runs-dir", str(runs), "--resume", str(info.path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "r: checkpoint 4, this run 16" in err and "lora_alpha: checkpoint 8.0, this run 32.0" in err
+    assert not runs.exists()
+
+
+def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkeypatch):
+    """A file where a directory must go, a port out of range or taken, a malformed environment variable: `error:`
+    (or argparse's) one line and exit 2, before the model, Ray or training start; a bad $DAEDALUS_METRICS_PORT does
+    not break the commands that do not serve metrics."""
+    import socket
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    assert cli.main(["run", EXAMPLE, "--runs-dir", str(blocker), "--port", "0"]) == 2
+    assert f"--runs-dir: cannot create the directory {blocker}/local-tiny: {blocker} is a file" in capsys.readouterr().err
+    assert cli.main(["sft", EXAMPLE, "--out", str(blocker / "sft")]) == 2
+    assert "--out: cannot create the directory" in capsys.readouterr().err
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--json", str(tmp_path)]) == 2
+    assert "is a directory; give the path of the JSON file" in capsys.readouterr().err
+    job = tiny_job_dict()
+    job["spec"]["checkpoint"]["path"] = str(blocker)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    assert cli.main(["train", "--config", str(job_file)]) == 2
+    assert f"checkpoint.path: cannot create the directory {blocker}/default/e2e" in capsys.readouterr().err
+    for port in ("70000", "-1", "x"):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["run", EXAMPLE, "--port", port])
+        assert info.value.code == 2 and f"expected a port number 0-65535, got '{port}'" in capsys.readouterr().err
+    monkeypatch.setenv("DAEDALUS_METRICS_PORT", "abc")
+    assert cli.main(["validate", EXAMPLE]) == 0
+    with pytest.raises(SystemExit):
+        cli.main(["run", EXAMPLE])
+    assert "got 'abc' (from $DAEDALUS_METRICS_PORT)" in capsys.readouterr().err
+    job_file.write_text(yaml.safe_dump(tiny_job_dict()))
+    out = tmp_path / "train"
+    assert cli.main(["train", "--config", str(job_file), "--out", str(out)]) == 2
+    assert "DAEDALUS_METRICS_PORT='abc' is not a port number" in capsys.readouterr().err
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        monkeypatch.setenv("DAEDALUS_METRICS_PORT", str(held.getsockname()[1]))
+        monkeypatch.setenv("DAEDALUS_METRICS_HOST", "127.0.0.1")
+        assert cli.main(["train", "--config", str(job_file), "--out", str(out)]) == 2
+        assert "Address already in use); set DAEDALUS_METRICS_PORT to a free port" in capsys.readouterr().err
+    monkeypatch.setenv("DAEDALUS_METRICS_PORT", "0")
+    monkeypatch.setenv("DAEDALUS_ATTEMPT", "two")
+    assert cli.main(["train", "--config", str(job_file), "--out", str(out)]) == 2
+    assert "DAEDALUS_ATTEMPT='two' is not a whole number" in capsys.readouterr().err
+    assert not out.exists()  # nothing was started
+
+
 def test_a_directory_or_binary_file_is_a_spec_error(tmp_path, capsys):
     with pytest.raises(c.SpecError) as info:
         c.load_documents(tmp_path)

@@ -110,7 +110,9 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from daedalus_trainer import sft
 
     _single_threaded_torch()
-    out = Path(args.out) if args.out else Path("runs") / job.metadata.name / "sft"
+    from daedalus_trainer.usage import make_dir
+
+    out = make_dir(Path(args.out) if args.out else Path("runs") / job.metadata.name / "sft", "--out")
     model_dir = sft.run_sft(job, out, resume=not args.no_resume)
     print(f"SFT model written to {model_dir}")
     return 0
@@ -122,7 +124,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     _single_threaded_torch()
     if args.json:  # before minutes of evaluation, not after
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        from daedalus_trainer.usage import UsageError, make_dir
+
+        if Path(args.json).is_dir():
+            raise UsageError(f"--json {args.json} is a directory; give the path of the JSON file to write")
+        make_dir(Path(args.json).parent, "--json")
     report = evaluation.run_eval(
         job, args.model, adapter_path=args.adapter, greedy=True, sampled=not args.greedy_only,
         gif_dir=args.gif, n=args.mazes, split=args.split,
@@ -183,6 +189,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port_option(text: str) -> int:
+    """argparse type of ``--port``: a TCP port number, 0-65535 (its default comes from ``$DAEDALUS_METRICS_PORT``
+    and is checked only by the subcommand that uses it: a bad variable does not break ``daedalus validate``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a whole number, or outside 0-65535.
+    """
+    from daedalus_trainer.usage import UsageError, port_number
+
+    try:
+        return port_number(text, "port")
+    except UsageError:
+        source = " (from $DAEDALUS_METRICS_PORT)" if text == os.environ.get("DAEDALUS_METRICS_PORT") else ""
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}{source}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand (also used by tests and `--help`)."""
     p = argparse.ArgumentParser(prog="daedalus", description=DESCRIPTION,
@@ -199,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--runs-dir", default="runs", help="parent of the run directory RUNS_DIR/<name>/ (default: ./runs)")
     s.add_argument("--resume", default="latest", type=_resume_option,
                    help="latest (default) | none | PATH of a checkpoint (directory step-NNNNNN or a checkpoints/ root)")
-    s.add_argument("--port", type=int, default=int(os.environ.get("DAEDALUS_METRICS_PORT", "9400")),
+    s.add_argument("--port", type=_port_option, default=os.environ.get("DAEDALUS_METRICS_PORT", "9400"),
                    help="metrics/control HTTP port (0: pick a free one; default $DAEDALUS_METRICS_PORT, else 9400)")
     s.set_defaults(func=_cmd_run)
 
@@ -295,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a clean message for known user errors, a traceback for bugs
         from daedalus_trainer.config import SpecError
 
-        user_errors: tuple[type[Exception], ...] = (SpecError, FileNotFoundError)
+        from daedalus_trainer.usage import UsageError
+
+        user_errors: tuple[type[Exception], ...] = (SpecError, UsageError, FileNotFoundError)
         try:  # layouts needs the environment's packages, which the operator image lacks
             from daedalus_trainer.layouts import LayoutError
 

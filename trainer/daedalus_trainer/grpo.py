@@ -634,9 +634,9 @@ def check_adapter_matches(saved: Mapping[str, Any], expected: Mapping[str, Any],
     diff = [f"{k}: checkpoint {a[k]!r}, this run {b[k]!r}" for k in a if a[k] != b[k]]
     if diff:
         raise CheckpointError(f"checkpoint {where} holds a different LoRA adapter than this job trains ("
-                              + "; ".join(diff) + "): restore the job's lora section, or start over: locally "
-                              "`--resume none`; on a cluster a new job name, or the job's checkpoints directory "
-                              "moved aside")
+                              + "; ".join(diff) + "): restore the job's lora section, resume from a checkpoint "
+                              "of this adapter, or start over: locally `--resume none`; on a cluster a new job "
+                              "name, or the job's checkpoints directory moved aside")
 
 
 def _split(items: list, parts: int) -> list[list]:
@@ -762,25 +762,30 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     Raises:
         FileNotFoundError: ``config`` does not exist.
         daedalus_trainer.config.SpecError: ``config`` is malformed or the job is invalid.
-        ValueError: ``DAEDALUS_ATTEMPT`` or ``DAEDALUS_METRICS_PORT`` is not an integer, or
-            ``DAEDALUS_METRICS_LINGER_SECONDS`` not a number.
-        OSError: the run directory cannot be created, or the port is taken.
+        daedalus_trainer.usage.UsageError: ``DAEDALUS_ATTEMPT`` is not a whole number >= 0,
+            ``DAEDALUS_METRICS_PORT`` not a port number or taken, ``DAEDALUS_METRICS_LINGER_SECONDS`` not a number
+            >= 0, or the run directory cannot be created (all before Ray starts).
         CheckpointError, LayoutError, ray.exceptions.RayError: as :meth:`Trainer.train` (the control phase is set
             to ``failed`` first).
     """
     from daedalus_trainer.config import load_job
     from daedalus_trainer.server import TrainerServer
 
+    from daedalus_trainer.usage import check_port_free, env_number, make_dir, port_number
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     job = load_job(config)
-    run_dir = Path(out_dir) if out_dir else run_dir_for(job)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # Everything that can be wrong with the environment fails here, in a second, not after Ray and the model start.
+    attempt = int(env_number("DAEDALUS_ATTEMPT", 1, integer=True, minimum=0))
+    port = port_number(os.environ.get("DAEDALUS_METRICS_PORT", "9400"), "DAEDALUS_METRICS_PORT")
+    linger = env_number("DAEDALUS_METRICS_LINGER_SECONDS", 0.0, minimum=0.0)
+    host = os.environ.get("DAEDALUS_METRICS_HOST", "0.0.0.0")
+    check_port_free(host, port, "DAEDALUS_METRICS_PORT")
+    run_dir = make_dir(Path(out_dir) if out_dir else run_dir_for(job), "--out" if out_dir else "checkpoint.path")
     init_ray(local=False)
     trainer = Trainer(job, run_dir)
-    trainer.control.set_status(attempt=int(os.environ.get("DAEDALUS_ATTEMPT", "1")))
-    port = int(os.environ.get("DAEDALUS_METRICS_PORT", "9400"))
-    with TrainerServer(trainer.metrics, trainer.control, host=os.environ.get("DAEDALUS_METRICS_HOST", "0.0.0.0"),
-                       port=port):
+    trainer.control.set_status(attempt=attempt)
+    with TrainerServer(trainer.metrics, trainer.control, host=host, port=port):
         try:
             result = trainer.train(resume=resume)
         except BaseException:
@@ -791,7 +796,6 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
             # moment it needs to write the response before the process exits.
             time.sleep(1.0)
         # Keep serving the final figures for a last Prometheus scrape before the process (and the pod's port) goes.
-        linger = float(os.environ.get("DAEDALUS_METRICS_LINGER_SECONDS", "0"))
         if linger > 0:
             log.info("serving final metrics for %.0f s", linger)
             time.sleep(linger)

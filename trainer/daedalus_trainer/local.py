@@ -26,7 +26,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daedalus_trainer.usage import make_dir
+
 log = logging.getLogger("daedalus.local")
+
+
+def _check_resumed_adapter(job, loaded) -> None:
+    """Refuse, before SFT and Ray start, a ``--resume PATH`` checkpoint whose LoRA adapter is not the one this job
+    trains: the SFT adapter's when ``model.sftAdapter`` is a PEFT adapter, else ``spec.lora``'s
+    (:meth:`daedalus_trainer.grpo.Trainer._expected_adapter`, which checks it again once the start is known).
+
+    Raises:
+        daedalus_trainer.checkpoint.CheckpointError: as :func:`daedalus_trainer.grpo.check_adapter_matches`.
+    """
+    from daedalus_trainer.grpo import check_adapter_matches
+    from daedalus_trainer.policy import is_adapter_dir, read_adapter_config
+
+    sft_adapter = job.spec.model.sft_adapter
+    expected = read_adapter_config(sft_adapter) if sft_adapter and is_adapter_dir(sft_adapter) else job.spec.lora
+    check_adapter_matches(loaded.load_adapter_config(), expected, loaded.path)
 
 
 def _free_port(preferred: int) -> int:
@@ -101,14 +119,16 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
 
     transformers.utils.logging.disable_progress_bar()  # per-save "Writing model shards" bars drown the real ones
     transformers.utils.logging.set_verbosity_error()
-    console = Console()
+    console, errors = Console(), Console(stderr=True, soft_wrap=True, highlight=False)
     run_dir = Path(runs_dir) / job.metadata.name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if not job.spec.model.sft_adapter and not job.spec.model.tiny:
+        errors.print("[red]model.sftAdapter is required for a non-tiny model[/red]")
+        return 2
     if resume != "latest":
         # A GRPO checkpoint path is verified now, not after SFT and an evaluation (the trainer moves the checkpoints
-        # it will not continue aside once it has accepted it). With `none`, the old run's GRPO checkpoints go aside
-        # before SFT starts over, so that an interrupted run is never followed by a `latest` resume of the old
-        # timeline on top of a new SFT model.
+        # it will not continue aside once it has accepted it), its adapter included. With `none`, the old run's GRPO
+        # checkpoints go aside before SFT starts over, so that an interrupted run is never followed by a `latest`
+        # resume of the old timeline on top of a new SFT model.
         from daedalus_trainer.checkpoint import CheckpointError, CheckpointManager
 
         try:
@@ -116,9 +136,12 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
             loaded = manager.resume(resume)
             if loaded is None:
                 manager.abandon_other_timelines(None)
+            else:
+                _check_resumed_adapter(job, loaded)
         except CheckpointError as exc:
-            console.print(f"[red]--resume {resume}: {exc}[/red]")
+            errors.print(f"[red]--resume {resume}: {exc}[/red]")
             return 2
+    make_dir(run_dir, "--runs-dir")
     console.print(f"[bold]daedalus run[/bold] {job_path}: job [cyan]{job.metadata.name}[/cyan] -> {run_dir}/ "
                   "(local mode: spec.cluster is ignored)")
 
@@ -131,9 +154,6 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     # 1. the starting point
     start_dir = job.spec.model.sft_adapter
     if not start_dir:
-        if not job.spec.model.tiny:
-            console.print("[red]model.sftAdapter is required for a non-tiny model[/red]")
-            return 2
         from daedalus_trainer import sft
 
         dagger = job.spec.sft.on_policy_fraction > 0
@@ -147,7 +167,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
 
     start_is_adapter = is_adapter_dir(start_dir)
     if not (start_is_adapter or is_checkpoint_dir(start_dir)):
-        console.print(f"[red]model.sftAdapter {start_dir!r} is neither a PEFT adapter directory (adapter_config.json) "
+        errors.print(f"[red]model.sftAdapter {start_dir!r} is neither a PEFT adapter directory (adapter_config.json) "
                       "nor a model directory (config.json) on this machine[/red]")
         return 2
     if start_is_adapter:

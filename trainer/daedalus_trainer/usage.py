@@ -1,0 +1,92 @@
+"""Checks of a command's input outside the job spec: directories it writes, ports it serves on, environment variables.
+
+Each raises :class:`UsageError` with a message that names the flag or variable, the value and what to do; the
+`daedalus` command prints it as one ``error:`` line (exit status 2) instead of a traceback. Torch-free, like
+:mod:`daedalus_trainer.config`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+#: The range of a TCP port number; 0 asks the operating system for a free one where a command allows it.
+PORT_MIN, PORT_MAX = 0, 65535
+
+
+class UsageError(ValueError):
+    """A command's input outside the job spec (a path, a port, an environment variable) cannot be used; the
+    message says which, why, and what to do."""
+
+
+def make_dir(path: str | Path, what: str) -> Path:
+    """Create directory ``path`` with its parents (an existing directory is fine) and return it.
+
+    Args:
+        path: the directory.
+        what: where the path came from, for the message (``"--runs-dir"``, ``"checkpoint.path"``).
+
+    Raises:
+        UsageError: a component of ``path`` is a file, or it cannot be created (permissions, read-only file system).
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        raise UsageError(f"{what}: cannot create the directory {path}: {blocker} is a file, not a directory") from None
+    except OSError as exc:
+        raise UsageError(f"{what}: cannot create the directory {path}: {exc.strerror or exc}") from None
+    return path
+
+
+def port_number(text: str | int, what: str) -> int:
+    """``text`` as a TCP port number (0-65535).
+
+    Raises:
+        UsageError: not a whole number, or outside 0-65535.
+    """
+    try:
+        port = int(str(text).strip())
+    except ValueError:
+        raise UsageError(f"{what}={text!r} is not a port number ({PORT_MIN}-{PORT_MAX})") from None
+    if not PORT_MIN <= port <= PORT_MAX:
+        raise UsageError(f"{what}={port} is outside the port numbers {PORT_MIN}-{PORT_MAX}")
+    return port
+
+
+def env_number(name: str, default: float, *, integer: bool = False, minimum: float | None = None) -> float:
+    """The environment variable ``name`` as a number (``default`` when unset or empty).
+
+    Raises:
+        UsageError: not a number (``integer``: not a whole number), or below ``minimum``.
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value: float = int(raw) if integer else float(raw)
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not {'a whole number' if integer else 'a number'}") from None
+    if value != value or (minimum is not None and value < minimum):  # NaN, or too small
+        raise UsageError(f"{name}={raw!r} must be at least {minimum:g}")
+    return value
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """Fail now, before minutes of start-up, if ``host:port`` cannot be served on (port 0 always can). Binds as
+    :class:`http.server.HTTPServer` does (``SO_REUSEADDR``), so a port in TIME_WAIT is not reported as taken.
+
+    Raises:
+        UsageError: the port is taken or not allowed (e.g. below 1024 without the privilege).
+    """
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UsageError(f"cannot serve on {host}:{port} ({exc.strerror or exc}); set {what} to a free port") \
+                from None
