@@ -13,13 +13,17 @@ stream silent for longer is restarted).
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import math
 import os
 import shlex
 import threading
-from typing import Any
+import urllib.parse
+from typing import Any, Callable
 
 import kopf
+import yaml
 
 from daedalus_operator import api, kube
 from daedalus_operator.handlers import IDLE_RESYNC_SECONDS, Runtime, register
@@ -39,8 +43,110 @@ class _QuietTimer(logging.Filter):
 #: ``--help``'s description: the module docstring's first paragraphs without their reStructuredText markup.
 DESCRIPTION = "\n\n".join(__doc__.split("\n\n")[:2]).replace("``", "").replace(":func:", "")
 
+
+def _number(unit: str, *, positive: bool, zero: str = "") -> Callable[[str], float]:
+    """An argparse ``type``: a finite number of ``unit`` (e.g. seconds), > 0 when ``positive``, else >= 0 (``zero``
+    says what 0 means, for the message).
+
+    The returned function raises ``argparse.ArgumentTypeError`` (argparse prints it with the usage and exits 2)."""
+    bound = "> 0" if positive else ">= 0"
+    meaning = f" ({zero})" if zero else ""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number of {unit} {bound}{meaning}, got {text!r}")
+        if not (value > 0 if positive else value >= 0):
+            raise argparse.ArgumentTypeError(f"must be {bound} {unit}{meaning}, got {text}")
+        return value
+
+    return parse
+
+
+def _whole_seconds(zero: str) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number of seconds >= 0 (``zero`` says what 0 means).
+
+    The returned function raises ``argparse.ArgumentTypeError``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number of seconds >= 0 ({zero}), got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0 seconds ({zero}), got {text}")
+        return value
+
+    return parse
+
+
+def _port(zero: str = "") -> Callable[[str], int]:
+    """An argparse ``type``: a TCP port, 1-65535, or 0-65535 when 0 means something (``zero``).
+
+    The returned function raises ``argparse.ArgumentTypeError``."""
+    low = 0 if zero else 1
+    meaning = f" ({zero})" if zero else ""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a port number {low}-65535{meaning}, got {text!r}") from None
+        if not low <= value <= 65535:
+            raise argparse.ArgumentTypeError(f"must be a port number {low}-65535{meaning}, got {text}")
+        return value
+
+    return parse
+
+
+def _liveness_url(text: str) -> str:
+    """An argparse ``type``: kopf's liveness endpoint, ``http://HOST:PORT/PATH`` (kopf serves only plain http).
+
+    Raises:
+        argparse.ArgumentTypeError: another scheme, no host, or no port (or one outside 1-65535).
+    """
+    parts = urllib.parse.urlsplit(text)
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or outside 0-65535
+        port = None
+    if parts.scheme != "http" or not parts.hostname or not port:
+        raise argparse.ArgumentTypeError(f"must be a URL http://HOST:PORT/PATH (kopf serves only http), got {text!r}")
+    return text
+
+
+def _pod_label(text: str) -> str:
+    """An argparse ``type``: ``KEY=VALUE`` (kept as given; :func:`settings_from_args` splits it).
+
+    Raises:
+        argparse.ArgumentTypeError: no ``=``.
+    """
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expects KEY=VALUE, got {text!r}")
+    return text
+
+
+def _entrypoint(text: str) -> str:
+    """An argparse ``type``: a Ray job entrypoint containing ``{config}``, with balanced shell quotes.
+
+    Raises:
+        argparse.ArgumentTypeError: no ``{config}``, or ``shlex`` cannot split it.
+    """
+    if "{config}" not in text:
+        raise argparse.ArgumentTypeError(f"must contain {{config}} (the config file path), got {text!r}")
+    try:
+        shlex.split(text)
+    except ValueError as e:  # unbalanced quotes
+        raise argparse.ArgumentTypeError(f"cannot be split as a shell command ({e}): {text!r}") from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The operator's argument parser."""
+    """The operator's argument parser. Every flag's value is checked here: a bad one is an argparse error (the usage,
+    one ``daedalus operator: error: argument --FLAG: ...`` line, exit code 2) before any Kubernetes or network work."""
     p = argparse.ArgumentParser(prog="daedalus operator", description=DESCRIPTION,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     scope = p.add_mutually_exclusive_group()
@@ -52,34 +158,48 @@ def build_parser() -> argparse.ArgumentParser:
                     help="no peering objects: one operator replica (also what happens without --peering)")
     ha.add_argument("--peering", metavar="NAME", help="kopf peering object name (KopfPeering/ClusterKopfPeering)")
     p.add_argument("--priority", type=int, default=0, help="peering priority (highest is active)")
-    p.add_argument("--liveness", metavar="URL", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
-    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
-    p.add_argument("--watch-timeout", type=int, default=None, metavar="SECONDS",
-                   help="server-side watch timeout; silent streams are restarted after it")
-    p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between looks at an active job")
-    p.add_argument("--poll-budget", type=float, default=20.0, metavar="PER_SECOND",
+    p.add_argument("--liveness", metavar="URL", type=_liveness_url, default=None,
+                   help="liveness endpoint http://HOST:PORT/PATH (http only), e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--metrics-port", type=_port(zero="0: off"), default=9090, metavar="PORT",
+                   help="Prometheus /metrics port, 0-65535 (0: off)")
+    p.add_argument("--watch-timeout", type=_whole_seconds(zero="0: kopf's defaults"), default=None, metavar="SECONDS",
+                   help="server-side watch timeout; silent streams are restarted after it (unset or 0: kopf's "
+                        "defaults)")
+    p.add_argument("--poll-interval", type=_number("seconds", positive=True), default=2.0, metavar="SECONDS",
+                   help="seconds between looks at an active job (> 0)")
+    p.add_argument("--poll-budget", type=_number("reconciles per second", positive=False, zero="0: no limit"),
+                   default=20.0, metavar="PER_SECOND",
                    help="reconciles per second shared by quiet Running jobs (nothing planned last time; 0: every "
                         "job every poll): with more than poll-interval x budget of them each is looked at less "
                         "often, but at once when its pods, nodes, RayCluster or the job itself change; quiet jobs "
                         "in other phases (waiting for a RayCluster, ended) are looked at on such a change or every "
                         "--idle-resync seconds")
-    p.add_argument("--idle-resync", type=float, default=IDLE_RESYNC_SECONDS, metavar="SECONDS",
+    p.add_argument("--idle-resync", type=_number("seconds", positive=True), default=IDLE_RESYNC_SECONDS,
+                   metavar="SECONDS",
                    help="with a poll budget: seconds between looks at a quiet job outside Running (waiting for "
-                        "its RayCluster, suspended, ended) when nothing it depends on changed")
-    p.add_argument("--unreachable-grace", type=float, default=60.0,
-                   help="seconds an unanswering Ray dashboard is tolerated before the head counts as lost")
-    p.add_argument("--request-timeout", type=float, default=5.0, help="seconds per HTTP call to Ray/the trainer")
-    p.add_argument("--deletion-timeout", type=float, default=120.0,
-                   help="release the finalizer after this many seconds even if cleanup failed")
-    p.add_argument("--liveness-stale", type=float, default=120.0,
-                   help="the liveness probe fails after this many seconds without an API answer")
-    p.add_argument("--control-port", type=int, default=api.CONTROL_PORT, help="the trainer's control/metrics port")
-    p.add_argument("--entrypoint", default=api.ENTRYPOINT,
+                        "its RayCluster, suspended, ended) when nothing it depends on changed (> 0)")
+    p.add_argument("--unreachable-grace", type=_number("seconds", positive=False, zero="0: no grace"), default=60.0,
+                   metavar="SECONDS",
+                   help="seconds an unanswering Ray dashboard is tolerated before the head counts as lost (>= 0; "
+                        "0: lost at the second unanswered look)")
+    p.add_argument("--request-timeout", type=_number("seconds", positive=True), default=5.0, metavar="SECONDS",
+                   help="seconds per HTTP call to Ray/the trainer (> 0; calls to the API server get twice this)")
+    p.add_argument("--deletion-timeout", type=_number("seconds", positive=False, zero="0: after one try"),
+                   default=120.0, metavar="SECONDS",
+                   help="release the finalizer after this many seconds even if cleanup failed (>= 0; 0: after "
+                        "one cleanup try)")
+    p.add_argument("--liveness-stale", type=_number("seconds", positive=False, zero="0: at the first unanswered call"),
+                   default=120.0, metavar="SECONDS",
+                   help="the liveness probe fails after this many seconds without an API answer (>= 0; 0: at the "
+                        "first unanswered call)")
+    p.add_argument("--control-port", type=_port(), default=api.CONTROL_PORT, metavar="PORT",
+                   help="the trainer's control/metrics port, 1-65535")
+    p.add_argument("--entrypoint", type=_entrypoint, default=api.ENTRYPOINT,
                    help="Ray job entrypoint; {config} becomes the config file path")
     p.add_argument("--config-dir", default=api.CONFIG_DIR, help="ConfigMap mount path in the Ray pods")
     p.add_argument("--operator-namespace", default=os.environ.get("POD_NAMESPACE", "daedalus-system"),
                    help="namespace of the operator's pods (NetworkPolicy source)")
-    p.add_argument("--operator-pod-label", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--operator-pod-label", action="append", type=_pod_label, default=[], metavar="KEY=VALUE",
                    help="label of the operator's pods (NetworkPolicy source; repeatable; without it "
                         "app.kubernetes.io/name=daedalus, as the chart labels them)")
     p.add_argument("--metrics-namespace", action="append", default=[], metavar="NS",
@@ -90,25 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
-    """Build :class:`OperatorSettings` from parsed arguments.
-
-    Raises:
-        SystemExit: a malformed ``--operator-pod-label``, a negative ``--poll-budget``, a ``--idle-resync`` that is
-            not positive or an entrypoint without ``{config}``.
-    """
+    """Build :class:`OperatorSettings` from arguments parsed by :func:`build_parser` (which checked every value)."""
     labels: list[tuple[str, str]] = []
     for item in args.operator_pod_label:
-        if "=" not in item:
-            raise SystemExit(f"--operator-pod-label expects KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         labels.append((k, v))
-    if not args.poll_budget >= 0:
-        raise SystemExit(f"--poll-budget must be >= 0 reconciles per second (0: no limit), got {args.poll_budget}")
-    if not args.idle_resync > 0:
-        raise SystemExit(f"--idle-resync must be > 0 seconds, got {args.idle_resync}")
-    if "{config}" not in args.entrypoint:
-        raise SystemExit(f"--entrypoint must contain {{config}} (the config file path): {args.entrypoint!r}")
-    shlex.split(args.entrypoint)  # fail early on unbalanced quotes
     return OperatorSettings(
         operator_namespace=args.operator_namespace,
         operator_pod_labels=tuple(labels) or OperatorSettings().operator_pod_labels,
@@ -128,12 +234,24 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
     )
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """One line from a PyYAML error (whose text spans several lines): the problem, where (1-based line and column,
+    as the parser counts) and its context."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem and e.problem_mark is not None:
+        mark = e.problem_mark
+        context = f" ({e.context})" if e.context else ""
+        return f"not valid YAML: {e.problem} at line {mark.line + 1}, column {mark.column + 1}{context}"
+    return "not valid YAML: " + " ".join(str(e).split())
+
+
 def check_kube_config(kubeconfig: str | None) -> Any:
     """Load the client configuration once, before kopf starts (whose startup handler would otherwise log a traceback
     and retry every minute for ever), and return the API client the operator then uses.
 
     Raises:
-        SystemExit: one line naming where the configuration was looked for and why it failed.
+        SystemExit: one line naming where the configuration was looked for and why it failed (a missing or
+            incomplete file, YAML the parser rejects with its line and column, or YAML that is not a kubeconfig
+            mapping).
     """
     import kubernetes
 
@@ -142,16 +260,43 @@ def check_kube_config(kubeconfig: str | None) -> Any:
 
     where = kubeconfig or os.environ.get("KUBECONFIG") or (
         "the in-cluster service account" if _in_cluster() else "~/.kube/config")
+    prefix = f"daedalus operator: cannot load the Kubernetes client configuration from {where}"
     try:
         return api_client_from_environment(kubeconfig)
     except (kubernetes.config.ConfigException, OSError, ValueError) as e:
-        raise SystemExit(f"daedalus operator: cannot load the Kubernetes client configuration from {where}: {e}")
+        raise SystemExit(f"{prefix}: {e}") from None
+    except yaml.YAMLError as e:
+        raise SystemExit(f"{prefix}: {_yaml_problem(e)}") from None
+    except (TypeError, AttributeError) as e:  # valid YAML, but a list or a string where the client expects a mapping
+        raise SystemExit(f"{prefix}: not a kubeconfig (a mapping with clusters, contexts and users): {e}") from None
+
+
+def serve_metrics(metrics: OperatorMetrics, port: int) -> None:
+    """``metrics.serve(port)`` on all addresses.
+
+    Raises:
+        SystemExit: one line naming the port and ``--metrics-port`` when it cannot be bound (in use, or a privileged
+            port without the permission).
+    """
+    try:
+        metrics.serve(port)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise SystemExit(f"daedalus operator: --metrics-port {port} is in use (another process listens on it; "
+                             f"choose another port, or 0 to turn metrics off)") from None
+        raise SystemExit(f"daedalus operator: cannot serve metrics on --metrics-port {port}: "
+                         f"{e.strerror or e}") from None
 
 
 def run(argv: list[str], *, stop_flag: threading.Event | None = None, ready_flag: threading.Event | None = None,
         metrics: OperatorMetrics | None = None) -> Runtime:
     """Run the operator until ``stop_flag`` is set (or a signal, in the main thread). Returns the runtime
-    (metrics, API client) for inspection."""
+    (metrics, API client) for inspection.
+
+    Raises:
+        SystemExit: a bad flag value (argparse: code 2), or one line with code 1 when the Kubernetes client
+            configuration cannot be loaded or ``--metrics-port`` cannot be bound.
+    """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -162,7 +307,7 @@ def run(argv: list[str], *, stop_flag: threading.Event | None = None, ready_flag
     client = check_kube_config(settings.kubeconfig)
     metrics = metrics or OperatorMetrics()
     if args.metrics_port:
-        metrics.serve(args.metrics_port)
+        serve_metrics(metrics, args.metrics_port)
     # the startup handler keeps this client (it builds one only when none is given), so the kubeconfig is read once
     rt = Runtime(settings=settings, metrics=metrics, kube=kube.KubeAPI(client, timeout=settings.request_timeout * 2))
     registry = kopf.OperatorRegistry()

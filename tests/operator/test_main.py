@@ -3,6 +3,7 @@ on, and kopf peering against the honest kmock API."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -37,15 +38,68 @@ def test_arguments_become_settings() -> None:
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--operator-pod-label", "nokey"], "KEY=VALUE"),
-    (["--entrypoint", "python train.py"], "{config}"),
-    (["--poll-budget", "-1"], "--poll-budget must be >= 0"),
-    (["--poll-budget", "nan"], "--poll-budget must be >= 0"),
-    (["--idle-resync", "0"], "--idle-resync must be > 0"),
+    (["--operator-pod-label", "nokey"], "argument --operator-pod-label: expects KEY=VALUE, got 'nokey'"),
+    (["--entrypoint", "python train.py"], "argument --entrypoint: must contain {config}"),
+    (["--entrypoint", "python 'train.py {config}"], "argument --entrypoint: cannot be split as a shell command"),
+    (["--poll-budget", "-1"], "argument --poll-budget: must be >= 0 reconciles per second (0: no limit), got -1"),
+    (["--poll-budget", "nan"], "argument --poll-budget: must be a finite number of reconciles per second >= 0"),
+    (["--idle-resync", "0"], "argument --idle-resync: must be > 0 seconds, got 0"),
+    (["--poll-interval", "0"], "argument --poll-interval: must be > 0 seconds, got 0"),
+    (["--poll-interval", "inf"], "argument --poll-interval: must be a finite number of seconds > 0, got 'inf'"),
+    (["--poll-interval", "soon"], "argument --poll-interval: must be a finite number of seconds > 0, got 'soon'"),
+    (["--request-timeout", "0"], "argument --request-timeout: must be > 0 seconds, got 0"),
+    (["--request-timeout", "-5"], "argument --request-timeout: must be > 0 seconds, got -5"),
+    (["--unreachable-grace", "-1"], "argument --unreachable-grace: must be >= 0 seconds (0: no grace), got -1"),
+    (["--deletion-timeout", "-0.5"], "argument --deletion-timeout: must be >= 0 seconds (0: after one try), got -0.5"),
+    (["--liveness-stale", "-1"], "argument --liveness-stale: must be >= 0 seconds"),
+    (["--liveness-stale", "nan"], "argument --liveness-stale: must be a finite number of seconds >= 0"),
+    (["--watch-timeout", "-5"], "argument --watch-timeout: must be >= 0 seconds (0: kopf's defaults), got -5"),
+    (["--watch-timeout", "1.5"], "argument --watch-timeout: must be a whole number of seconds >= 0"),
+    (["--metrics-port", "99999"], "argument --metrics-port: must be a port number 0-65535 (0: off), got 99999"),
+    (["--metrics-port", "-1"], "argument --metrics-port: must be a port number 0-65535 (0: off), got -1"),
+    (["--control-port", "0"], "argument --control-port: must be a port number 1-65535, got 0"),
+    (["--control-port", "65536"], "argument --control-port: must be a port number 1-65535, got 65536"),
+    (["--control-port", "http"], "argument --control-port: must be a port number 1-65535, got 'http'"),
+    (["--liveness", "not-a-url"], "argument --liveness: must be a URL http://HOST:PORT/PATH (kopf serves only http), "
+                                  "got 'not-a-url'"),
+    (["--liveness", "https://0.0.0.0:8080/healthz"], "argument --liveness: must be a URL http://HOST:PORT/PATH"),
+    (["--liveness", "http://0.0.0.0/healthz"], "argument --liveness: must be a URL http://HOST:PORT/PATH"),
+    (["--liveness", "http://:8080/healthz"], "argument --liveness: must be a URL http://HOST:PORT/PATH"),
+    (["--liveness", "http://0.0.0.0:99999/healthz"], "argument --liveness: must be a URL http://HOST:PORT/PATH"),
 ])
-def test_bad_arguments_fail_clearly(argv: list[str], message: str) -> None:
-    with pytest.raises(SystemExit, match=message.replace("{", r"\{").replace("}", r"\}")):
-        settings_from_args(build_parser().parse_args(argv))
+def test_bad_arguments_fail_clearly(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad flag value is an argparse error: the usage, one error line naming the flag and the bound, exit 2."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"daedalus operator: error: {message}"), err
+
+
+def test_bounds_that_mean_something_are_accepted() -> None:
+    """0 where it has a meaning (metrics off, kopf's watch defaults, no grace, release after one cleanup try, fail
+    the probe at the first unanswered call) and the ends of the port range."""
+    args = build_parser().parse_args(["--metrics-port", "0", "--watch-timeout", "0", "--unreachable-grace", "0",
+                                      "--deletion-timeout", "0", "--liveness-stale", "0", "--control-port", "65535",
+                                      "--liveness", "http://[::]:1/healthz", "--poll-interval", "0.01"])
+    s = settings_from_args(args)
+    assert (args.metrics_port, s.watch_timeout, s.unreachable_grace, s.deletion_timeout, s.liveness_stale,
+            s.control_port, s.poll_interval) == (0, 0, 0.0, 0.0, 0.0, 65535, 0.01)
+    assert build_parser().parse_args(["--control-port", "1", "--metrics-port", "65535"]).control_port == 1
+
+
+def _operator(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "daedalus_operator", "-A", *argv], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_bad_flag_exits_before_reading_the_kubeconfig(tmp_path: Path) -> None:
+    """The argparse error (exit 2) comes before the client configuration is read (a missing file would exit 1)."""
+    out = _operator("--kubeconfig", str(tmp_path / "missing.yaml"), "--liveness", "not-a-url")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines()[-1] == ("daedalus operator: error: argument --liveness: must be a URL "
+                                           "http://HOST:PORT/PATH (kopf serves only http), got 'not-a-url'")
+    assert "Traceback" not in out.stderr and "Kubernetes" not in out.stderr
 
 
 def test_unloadable_kubeconfig_exits_at_once_with_one_line(tmp_path: Path) -> None:
@@ -59,6 +113,46 @@ def test_unloadable_kubeconfig_exits_at_once_with_one_line(tmp_path: Path) -> No
         assert out.returncode == 1, out.stderr
         assert f"cannot load the Kubernetes client configuration from {path}" in out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_malformed_kubeconfig_exits_with_one_line(tmp_path: Path) -> None:
+    """YAML the parser rejects: one line naming the file and the parser's line and column; YAML that is no mapping:
+    one line naming the file. Exit 1, as for a missing file."""
+    bad_yaml = tmp_path / "bad-yaml.yaml"
+    bad_yaml.write_text("apiVersion: v1\nclusters: [\n  - {name: a\nkind: Config\n")
+    not_a_mapping = tmp_path / "list.yaml"
+    not_a_mapping.write_text("- apiVersion: v1\n")
+    for path, why in ((bad_yaml, "not valid YAML: expected the node content, but found '-' at line 3, column 3"),
+                      (not_a_mapping, "not a kubeconfig")):
+        out = _operator("--metrics-port", "0", "--kubeconfig", str(path))
+        assert out.returncode == 1, out.stderr
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith(f"daedalus operator: cannot load the Kubernetes client configuration from {path}: "
+                                     f"{why}"), out.stderr
+
+
+KUBECONFIG = """apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: c, context: {cluster: c, user: u}}]
+current-context: c
+"""
+
+
+def test_metrics_port_in_use_exits_with_one_line(tmp_path: Path) -> None:
+    """Another process listens on --metrics-port: one line naming the flag and the port, exit 1, before kopf starts
+    (the kubeconfig loads; its API server is never asked)."""
+    config = tmp_path / "kubeconfig.yaml"
+    config.write_text(KUBECONFIG)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _operator("--kubeconfig", str(config), "--metrics-port", str(port))
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith(f"daedalus operator: --metrics-port {port} is in use"), out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
 
 
 def test_exclusive_scopes() -> None:
