@@ -138,6 +138,10 @@ def test_example_passes_server_side_dry_run_unpruned_and_defaulted(kube, namespa
     ("environment__observation", "video", "spec.environment.observation"),
     ("lora__rank", 0, "spec.lora.rank"),
     ("algorithm__groupSize", "eight", "spec.algorithm.groupSize"),
+    # the same objects `daedalus validate` refuses: a target outside the CRD's enum, pod resources that are not > 0
+    ("lora__targetModules", ["q_proj", "q_projj"], "spec.lora.targetModules"),
+    ("cluster__head__cpu", "-2", "spec.cluster.head.cpu"),
+    ("cluster__head__memory", "0", "spec.cluster.head.memory"),
 ])
 def test_dry_run_refuses_a_schema_violation(kube, namespace, dotted: str, value: Any, field: str):
     """The control: the dry run validates (a broken example would fail the test above with the server's reason)."""

@@ -122,10 +122,23 @@ def _set(obj: dict, dotted: str, value) -> dict:
 
 
 INVALID = [
-    # (change, field path in the error, reason fragment, rejected by the CRD schema or by CEL)
+    # (change, field path in the error, reason fragment, rejected by the CRD schema, by CEL or by both)
     ("spec.environment.size", 8, "spec.environment.size", "odd", "cel"),
-    ("spec.lora.targetModules", ["q_proj", "attn.qkv"], "spec.lora.targetModules", "vision", "cel"),
-    ("spec.lora.targetModules", ["visual.blocks.0.mlp.linear_fc1"], "spec.lora.targetModules", "vision", "cel"),
+    # a vision-tower name is outside the schema's enum and fails the CEL rule that says why
+    ("spec.lora.targetModules", ["q_proj", "attn.qkv"], "spec.lora.targetModules", "vision", "both"),
+    ("spec.lora.targetModules", ["visual.blocks.0.mlp.linear_fc1"], "spec.lora.targetModules", "vision", "both"),
+    # any other name that is not one of the seven language-model projections: a typo, the LM head, a dotted suffix
+    ("spec.lora.targetModules", ["q_proj", "q_projj"], "spec.lora.targetModules",
+     "'q_projj' is not a language-model projection of Qwen3-VL (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+     "down_proj); did you mean 'q_proj'?", "schema"),
+    ("spec.lora.targetModules", ["lm_head", "self_attn.q_proj"], "spec.lora.targetModules",
+     "'lm_head', 'self_attn.q_proj' are not language-model projections of Qwen3-VL", "schema"),
+    # pod resources must be positive quantities
+    ("spec.cluster.head.cpu", "-2", "spec.cluster.head.cpu", "greater than zero (a Ray pod's resources); got '-2'",
+     "schema"),
+    ("spec.cluster.head.memory", "0", "spec.cluster.head.memory", "greater than zero (a Ray pod's resources); got '0'",
+     "schema"),
+    ("spec.cluster.head.memory", "0.0Gi", "spec.cluster.head.memory", "greater than zero", "schema"),
     ("spec.algorithm.steps", -3, "spec.algorithm.steps", "greater than or equal to 1", "schema"),
     ("spec.algorithm.groupSize", 1, "spec.algorithm.groupSize", "greater than or equal to 2", "schema"),
     ("spec.environment.actionFormat", "json", "spec.environment.actionFormat", "'function'", "schema"),
@@ -153,11 +166,134 @@ def test_invalid_specs_rejected_with_field_path(schema, dotted, value, path, fra
     # The API server rejects the same object: by the schema, or by a CEL rule.
     defaulted = crd.apply_defaults(schema, obj)
     schema_errors = _invalid_reasons(schema, defaulted)
-    if where == "schema":
+    if where in ("schema", "both"):
         assert schema_errors, "the CRD schema should reject this"
     else:
         assert not schema_errors
+    if where in ("cel", "both"):
         assert not all(_cel_eval(rule, defaulted) for rule in c.CEL_RULES)
+
+
+def test_quantities_must_be_positive_in_both_validators(schema):
+    """Pod resources: the CRD's pattern and the Python validator accept and refuse the same quantities."""
+    for value, ok in [("500m", True), ("0.5", True), (".5", True), ("1e3", True), ("+2", True), ("16Gi", True),
+                      ("0", False), ("-2", False), ("0m", False), ("00.000", False), ("-1Gi", False)]:
+        groups = copy.deepcopy(_local()["spec"]["cluster"]["workerGroups"])
+        groups[0]["shmSize"] = value
+        obj = _set(_local(), "spec.cluster.workerGroups", groups)
+        defaulted = crd.apply_defaults(schema, obj)
+        assert (not _invalid_reasons(schema, defaulted)) is ok, value
+        if ok:
+            c.parse_job(obj)
+            continue
+        with pytest.raises(c.SpecError) as info:
+            c.parse_job(obj)
+        assert info.value.errors == [("spec.cluster.workerGroups[0].shmSize",
+                                      f"must be a quantity greater than zero (a Ray pod's resources); got {value!r}")]
+
+
+def test_every_language_model_projection_is_a_target(schema):
+    obj = _set(_local(), "spec.lora.targetModules", list(c.LANGUAGE_MODEL_PROJECTIONS))
+    assert _invalid_reasons(schema, crd.apply_defaults(schema, obj)) == []
+    assert c.parse_job(obj).spec.lora.target_modules == list(c.LANGUAGE_MODEL_PROJECTIONS)
+    items = _schema_at(schema["properties"]["spec"], "lora.targetModules")["items"]
+    assert items["enum"] == list(c.LANGUAGE_MODEL_PROJECTIONS)
+
+
+METADATA_INVALID = [
+    # (metadata, field path, the message, or a fragment of it)
+    ({"name": "local-tiny", "namespace": "Bad_NS"}, "metadata.namespace",
+     "must be a lowercase DNS label: a-z, 0-9 and '-', starting and ending with a letter or digit (RFC 1123); "
+     "got 'Bad_NS'"),
+    # the namespace is a directory of local runs' checkpoints: no way out of checkpoint.path
+    ({"name": "local-tiny", "namespace": "../../escape"}, "metadata.namespace", "got '../../escape'"),
+    ({"name": "local-tiny", "namespace": "n" * 64}, "metadata.namespace", f"at most 63 characters (got '{'n' * 64}'"),
+    ({"name": "a" * 64}, "metadata.name",
+     f"String should have at most 63 characters (got '{'a' * 64}', 64 characters)"),
+    ({"name": "x", "labels": {"a": 1}}, "metadata.labels",
+     "the value of 'a' must be a string; got the number 1 (quote it)"),
+    ({"name": "x", "labels": {"a": True}}, "metadata.labels", "got the boolean True (quote it)"),
+    ({"name": "x", "labels": {"a": None}}, "metadata.labels", "the value of 'a' is empty"),
+    ({"name": "x", "labels": {"bad key": "v"}}, "metadata.labels", "'bad key' is not a valid key"),
+    ({"name": "x", "labels": {"Example.com/a": "v"}}, "metadata.labels", "its prefix 'Example.com' must be"),
+    ({"name": "x", "labels": {"a/b/c": "v"}}, "metadata.labels", "'a/b/c' is not a valid key"),
+    ({"name": "x", "labels": {"k" * 64: "v"}}, "metadata.labels", "is not a valid key"),
+    ({"name": "x", "labels": {"a": "not valid!"}}, "metadata.labels",
+     "the value 'not valid!' of 'a' is not a valid label"),
+    ({"name": "x", "labels": {"a": "v" * 64}}, "metadata.labels",
+     "is not a valid label value (at most 63 characters"),
+    ({"name": "x", "annotations": {"a": 5}}, "metadata.annotations",
+     "the value of 'a' must be a string; got the number 5"),
+    ({"name": "x", "annotations": {"-a": "v"}}, "metadata.annotations", "'-a' is not a valid key"),
+    ({"name": "x", "annotations": {"a": "v" * 262_144}}, "metadata.annotations",
+     "the API server allows at most 262144"),
+]
+
+
+@pytest.mark.parametrize("metadata,path,message", METADATA_INVALID, ids=[m for _, m, _ in METADATA_INVALID])
+def test_metadata_is_checked_as_the_api_server_checks_it(metadata, path, message):
+    """Names and namespaces are RFC 1123 DNS labels (Kubernetes "Object Names and IDs"); label keys and values, and
+    annotation keys, follow Kubernetes label syntax; label and annotation values are strings."""
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(_set(_local(), "metadata", metadata))
+    assert [p for p, _ in info.value.errors] == [path], info.value.errors
+    assert message in info.value.errors[0][1], info.value.errors
+
+
+def test_valid_metadata_passes_and_each_label_problem_is_an_error():
+    meta = {"name": "x", "namespace": "ml-training",
+            "labels": {"app.kubernetes.io/name": "daedalus", "team": "", "x_y.Z": "A-b_c.1", "k" * 63: "v" * 63},
+            "annotations": {"daedalus.dev/serving-lora-uri": "s3://bucket/adapters", "note": "free text: any!"}}
+    job = c.parse_job(_set(_local(), "metadata", meta))
+    assert job.metadata.namespace == "ml-training" and job.metadata.labels["team"] == ""
+    assert job.to_manifest()["metadata"]["labels"] == meta["labels"]
+    assert "labels" not in c.parse_job(_local()).to_manifest()["metadata"]  # none written when none given
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(_set(_local(), "metadata", {"name": "x", "labels": {"a": 1, "b c": "d"}}))
+    assert [p for p, _ in info.value.errors] == ["metadata.labels", "metadata.labels"]
+
+
+def test_kind_api_version_name_and_spec_are_required():
+    """What kubectl requires of every document ("apiVersion not set", "kind not set", a name), every command
+    requires: no default name under which two unnamed jobs would share their files."""
+    obj = _local()
+    del obj["apiVersion"], obj["kind"]
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(obj)
+    errors = dict(info.value.errors)
+    assert set(errors) == {"kind", "apiVersion"}
+    assert "kind not set" in errors["kind"] and "apiVersion not set" in errors["apiVersion"]
+
+    for metadata, fragment in [(None, "required (metadata is empty): the API server rejects an object without a"),
+                               ({}, "required: the API server rejects an object without a name"),
+                               ({"namespace": "ml"}, "required: the API server rejects"),
+                               ({"name": None}, "required: the API server rejects"),
+                               ("absent", "required: the API server rejects")]:
+        obj = _local()
+        if metadata == "absent":
+            del obj["metadata"]
+        else:
+            obj["metadata"] = metadata
+        with pytest.raises(c.SpecError) as info:
+            c.parse_job(obj)
+        assert info.value.errors == [("metadata.name", info.value.errors[0][1])], info.value.errors
+        assert fragment in info.value.errors[0][1] and "defaults" not in info.value.errors[0][1]
+
+    obj = _set(_local(), "spec", None)
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(obj)
+    assert info.value.errors == [("spec", "must be a mapping: the job's desired state (model, algorithm, environment, "
+                                          "...); got an empty value")]
+    # a nested section may still be left out for its defaults, and the hint says so
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(_set(_local(), "spec.checkpoint", None))
+    assert "leave it out for the defaults" in dict(info.value.errors)["spec.checkpoint"]
+    # with both spec and metadata missing, both are named (and nothing about the spec's defaults)
+    obj = _local()
+    del obj["spec"], obj["metadata"]
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(obj)
+    assert [p for p, _ in info.value.errors] == ["spec", "metadata.name"]
 
 
 def test_every_error_is_reported_at_once():

@@ -195,7 +195,8 @@ def test_unknown_and_misplaced_fields_say_where_they_belong():
         (("spec", "algorithm"), "batch_size", "spec.algorithm.batch_size", "is a field of 'spec.sft'"),
         (("spec", "algorithm"), "learningrate", "spec.algorithm.learningrate", "the API spells it 'learningRate'"),
         (("spec", "algorithm"), "learnignRate", "spec.algorithm.learnignRate", "did you mean 'learningRate'"),
-        ((), "annotations", "annotations", "the fields here are apiVersion, kind, metadata, spec, status"),
+        ((), "annotations", "annotations", "'annotations' is a field of 'metadata' (metadata.annotations)"),
+        ((), "foo", "foo", "the fields here are apiVersion, kind, metadata, spec, status"),
     ]
     for where, key, path, fragment in cases:
         job = tiny_job_dict()
@@ -286,3 +287,87 @@ def test_start_fingerprint_follows_weights_and_evaluation_settings(tmp_path, mon
     weights.write_bytes(b"y" * 100)  # a new save of the same size
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     assert start_fingerprint(job, str(model), None) != first
+
+
+def test_a_file_with_two_jobs_is_refused_by_the_commands_that_take_one(tmp_path, capsys):
+    """`run`, `train`, `sft` and `eval` read one job: a second one (a document, or a `kind: List` item) is an error
+    naming both, not silently ignored; other kinds of objects beside the job are still skipped."""
+    first, second = tiny_job_dict(), tiny_job_dict()
+    second["metadata"]["name"] = "other"
+    two = _write(tmp_path, yaml.safe_dump_all([first, second]), "two.yaml")
+    listed = _write(tmp_path, yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [first, second]}), "l.yaml")
+    for path in (two, listed):
+        with pytest.raises(c.SpecError) as info:
+            c.load_job(path)
+        assert info.value.errors == [("(file)", "holds 2 RLTrainingJobs ('e2e', 'other'); daedalus run, train, sft and "
+                                                "eval take one: split the file (daedalus validate checks them all)")]
+    runs = tmp_path / "runs"
+    for argv in (["run", str(two), "--runs-dir", str(runs)], ["sft", str(two)], ["eval", str(two), "--model", "m"]):
+        assert cli.main(argv) == 2
+        assert "holds 2 RLTrainingJobs ('e2e', 'other')" in capsys.readouterr().err
+    assert not runs.exists()
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "claim"}}
+    with_pvc = _write(tmp_path, yaml.safe_dump_all([pvc, first]), "pvc.yaml")
+    assert c.load_job(with_pvc).metadata.name == "e2e"
+
+
+def test_every_command_requires_a_name(tmp_path, capsys):
+    """No default name: a job without `metadata.name` is refused by `run` (before any directory is made) with the
+    same error `validate` prints, so two unnamed jobs cannot share runs/<name>/ and their checkpoints."""
+    nameless = tiny_job_dict()
+    del nameless["metadata"]
+    empty_meta = _write(tmp_path, _example_with("metadata:\n  name: local-tiny\n", "metadata:\n"), "n.yaml")
+    no_meta = _write(tmp_path, yaml.safe_dump(nameless), "m.yaml")
+    runs = tmp_path / "runs"
+    for path, message in [(no_meta, "required: the API server rejects an object without a name"),
+                          (empty_meta, "required (metadata is empty): the API server rejects an object without")]:
+        with pytest.raises(c.SpecError) as info:
+            c.load_job(path)
+        assert info.value.errors == [("metadata.name", info.value.errors[0][1])]
+        assert message in info.value.errors[0][1] and "leave it out" not in info.value.errors[0][1]
+        assert cli.main(["run", str(path), "--runs-dir", str(runs)]) == 2
+        assert f"metadata.name: {info.value.errors[0][1]}" in capsys.readouterr().err
+        assert cli.main(["validate", str(path)]) == 1
+        out = capsys.readouterr().out
+        assert "1 error(s)" in out and f"metadata.name: {info.value.errors[0][1]}" in out
+    assert not runs.exists()
+
+
+@pytest.mark.parametrize("old,new,path,fragment", [
+    ("apiVersion: daedalus.dev/v1alpha1\nkind: RLTrainingJob\n", "", "kind", 'kind not set'),
+    ("  name: local-tiny\n", "  name: local-tiny\n  namespace: Bad_NS\n", "metadata.namespace", "got 'Bad_NS'"),
+    ("  name: local-tiny\n", "  name: local-tiny\n  namespace: ../../escape\n", "metadata.namespace",
+     "must be a lowercase DNS label"),
+    ("  name: local-tiny\n", "  name: local-tiny\n  labels: {a: 1}\n", "metadata.labels",
+     "the value of 'a' must be a string; got the number 1 (quote it)"),
+    ("        cpu: \"2\"\n", "        cpu: \"-2\"\n", "spec.cluster.workerGroups[0].cpu", "greater than zero"),
+    ("        memory: 8Gi\n", "        memory: \"0\"\n", "spec.cluster.workerGroups[0].memory", "greater than zero"),
+    ("targetModules: [q_proj,", "targetModules: [q_projj,", "spec.lora.targetModules",
+     "'q_projj' is not a language-model projection of Qwen3-VL (q_proj, k_proj, v_proj, o_proj, gate_proj"),
+    ("  name: local-tiny\n", f"  name: {'a' * 64}\n", "metadata.name", f"(got '{'a' * 64}', 64 characters)"),
+])
+def test_validate_and_load_job_give_the_same_error(tmp_path, capsys, old, new, path, fragment):
+    f = _write(tmp_path, _example_with(old, new))
+    with pytest.raises(c.SpecError) as info:
+        c.load_job(f)
+    assert path in dict(info.value.errors) and fragment in dict(info.value.errors)[path], info.value.errors
+    assert cli.main(["validate", str(f)]) == 1
+    out = capsys.readouterr().out
+    for p, m in info.value.errors:
+        assert f"{p}: {m}" in out
+
+
+def test_validate_names_the_documents_that_share_a_namespace_and_name(tmp_path, capsys):
+    a, b, other_ns, c_ = tiny_job_dict(), tiny_job_dict(), tiny_job_dict(), tiny_job_dict()
+    other_ns["metadata"]["namespace"] = "ml"  # same name, another namespace: two objects
+    del c_["metadata"]["namespace"]  # no namespace: the current one, not taken for "default"
+    f = _write(tmp_path, yaml.safe_dump_all([a, other_ns, b, c_]))
+    assert cli.main(["validate", str(f)]) == 1
+    out = capsys.readouterr().out
+    assert "document 1 of 4): RLTrainingJob 'e2e' is valid" in out
+    assert "document 2 of 4): RLTrainingJob 'e2e' is valid" in out
+    assert ("document 3 of 4): 1 error(s)\n    metadata.name: 'e2e' (namespace 'default') is also the name of "
+            "RLTrainingJob document 1 of 4 in this file: kubectl apply would make them one object; give each job its "
+            "own name") in out
+    assert "document 4 of 4): RLTrainingJob 'e2e' is valid" in out
+    assert list(c.duplicate_name_errors([a, other_ns, b, c_])) == [2]

@@ -40,7 +40,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from daedalus_trainer.config import SpecError, load_documents, parse_job
+    from daedalus_trainer.config import SpecError, duplicate_name_errors, load_documents, parse_job
 
     console = Console(stderr=False, highlight=False, soft_wrap=True)
     status = 0
@@ -57,15 +57,15 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         else:
             if not docs:  # a `kind: List` without items, e.g. `kubectl get rltj -A -o yaml` where there are no jobs
                 console.print(f"- {escape(f)}: a List with no items: no RLTrainingJob to validate")
+        duplicates = duplicate_name_errors(docs)
         for i, doc in enumerate(docs):
             where = f if len(docs) == 1 else f"{f} (RLTrainingJob document {i + 1} of {len(docs)})"
             errors = []
-            if isinstance(doc, dict) and not (doc.get("metadata") or {}).get("name"):
-                errors.append(("metadata.name", "required: the API server rejects an object without a name"))
             try:
                 job = parse_job(doc, source=f)
             except SpecError as exc:
                 errors.extend(exc.errors)
+            errors.extend(duplicates.get(i, []))
             if errors:
                 _print_errors(console, where, errors)
                 status = 1
@@ -267,10 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_eval)
 
     s = sub.add_parser("validate", help="validate RLTrainingJob files (every error with its field path)",
-                       description="Check RLTrainingJob files against the API as the API server would (types strict, "
+                       description="Check RLTrainingJob files against the API as the API server would (apiVersion, "
+                       "kind and metadata.name required, namespace and labels in Kubernetes syntax, types strict, "
                        "unknown fields and duplicate keys rejected, the CRD's cross-field rules), without a cluster. "
-                       "A file may hold several documents or a `kind: List` (`kubectl get rltj -A -o yaml`). Exit "
-                       "status 1 when any document is invalid.")
+                       "A file may hold several documents or a `kind: List` (`kubectl get rltj -A -o yaml`); two jobs "
+                       "with the same namespace and name in one file are an error. Exit status 1 when any document "
+                       "is invalid.")
     s.add_argument("files", nargs="+", help="YAML files (each may hold several documents)")
     s.set_defaults(func=_cmd_validate)
 

@@ -38,8 +38,16 @@ SHORT_NAMES = ["rltj"]
 #: ``mlp.linear_fc1/2``, the patch merger). vLLM ignores LoRA on the vision tower for Qwen3-VL, so training it would make
 #: rollout and training weights differ; such targets are rejected.
 VISION_MODULE_MARKERS = ("visual", "qkv", "attn.proj", "linear_fc1", "linear_fc2", "merger", "patch_embed")
-#: Language-model attention and MLP projections (Qwen3 decoder layer names).
-DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: The linear projections of a Qwen3-VL language-model decoder layer (``model.language_model.layers.N``:
+#: ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``), the only names ``lora.targetModules`` accepts. peft
+#: matches each name against the end of a module's dotted name (``policy.check_lora_targets``), and these seven match
+#: every such projection of every layer and nothing in the vision tower. Any other name matches nothing (a typo, which
+#: peft reports only once the model is loaded on the cluster), the vision tower (see above), or a module outside the
+#: decoder layers' projections (the LM head, the embeddings) that this trainer and its vLLM rollouts were never used
+#: with; so it is refused up front, by the CRD's `enum` as by the Python validator.
+LANGUAGE_MODEL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The default targets: all seven language-model projections.
+DEFAULT_LORA_TARGETS = list(LANGUAGE_MODEL_PROJECTIONS)
 
 
 class _Model(BaseModel):
@@ -90,20 +98,34 @@ class LoraSpec(_Model):
     # Bounded (at most 64 names of at most 128 characters): the API server prices a CEL rule by the largest input
     # the schema allows, and the vision-target rule below runs `contains` on every name; unbounded, its estimated
     # cost exceeds the per-rule budget and the API server refuses the whole CRD.
-    target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=128,
+                                              json_schema_extra={"enum": list(LANGUAGE_MODEL_PROJECTIONS)})]] = Field(
         default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1, max_length=64)
-    """Language-model module names to adapt (at most 64, each at most 128 characters). Vision-tower modules are
-    rejected: vLLM ignores LoRA on Qwen3-VL's vision tower, which would make rollout and training policies differ."""
+    """Language-model projections to adapt, each applied in every decoder layer: q_proj, k_proj, v_proj, o_proj
+    (attention), gate_proj, up_proj, down_proj (MLP). Other names are rejected: vision-tower modules because vLLM
+    ignores LoRA on Qwen3-VL's vision tower (rollout and training policies would differ), anything else because it
+    names no language-model projection (a typo would otherwise fail only once the model is loaded)."""
 
     @field_validator("target_modules")
     @classmethod
-    def _no_vision_targets(cls, v: list[str]) -> list[str]:
-        bad = [m for m in v if _is_vision_target(m)]
-        if bad:
-            raise ValueError(
-                f"vision-tower LoRA targets {bad} are not allowed (vLLM ignores vision LoRA for Qwen3-VL); "
+    def _language_model_projections(cls, v: list[str]) -> list[str]:
+        problems = []
+        vision = [m for m in v if _is_vision_target(m)]
+        if vision:
+            problems.append(
+                f"vision-tower LoRA targets {vision} are not allowed (vLLM ignores vision LoRA for Qwen3-VL); "
                 f"use language-model projections such as {DEFAULT_LORA_TARGETS}"
             )
+        unknown = [m for m in v if m not in LANGUAGE_MODEL_PROJECTIONS and m not in vision]
+        if unknown:
+            names = ", ".join(repr(m) for m in unknown)
+            verb = "is not a language-model projection" if len(unknown) == 1 else "are not language-model projections"
+            close = {m: difflib.get_close_matches(m, LANGUAGE_MODEL_PROJECTIONS, n=1, cutoff=0.6) for m in unknown}
+            hints = [f"{c[0]!r}" + (f" for {m!r}" if len(unknown) > 1 else "") for m, c in close.items() if c]
+            problems.append(f"{names} {verb} of Qwen3-VL ({', '.join(LANGUAGE_MODEL_PROJECTIONS)})"
+                            + (f"; did you mean {', '.join(hints)}?" if hints else ""))
+        if problems:
+            raise ValueError("; ".join(problems))
         return v
 
 
@@ -291,6 +313,13 @@ class Toleration(_Model):
 #: ``resource.Quantity`` (k8s.io/apimachinery/pkg/api/resource), as KubeRay's CRD and ``kubectl explain`` give it.
 QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+"
                     r"(\.[0-9]*)?)|(\.[0-9]+))))?$")
+#: A quantity greater than zero: :data:`QUANTITY_PATTERN` without the minus sign and with a non-zero digit in the
+#: number ("0", "0.0", "-2" are refused; "500m", "0.5", "1e3" pass). The pod resources of the RayCluster (cpu, memory,
+#: /dev/shm) must be positive: the API server refuses negative resource quantities (core/v1 ResourceRequirements
+#: validation) and a Ray pod with no cpu or memory cannot run. A regular expression rather than a CEL rule so the
+#: CRD keeps working without the CEL quantity library.
+POSITIVE_QUANTITY_PATTERN = (r"^\+?(([0-9]*[1-9][0-9]*(\.[0-9]*)?)|([0-9]*\.[0-9]*[1-9][0-9]*))(([KMGTPE]i)|"
+                             r"[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 #: A Kubernetes object name that must be a DNS label (RFC 1123), as `metadata.name` of a job and a worker group name.
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
@@ -298,10 +327,10 @@ DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 class HeadSpec(_Model):
     """Ray head group: the driver, the trainer's HTTP endpoint; no GPUs and `num-cpus: 0` (no tasks scheduled)."""
 
-    cpu: str = Field("4", pattern=QUANTITY_PATTERN)
-    """CPU request and limit of the head pod (a quantity string: "4", "500m")."""
-    memory: str = Field("16Gi", pattern=QUANTITY_PATTERN)
-    """Memory request and limit of the head pod (a quantity string: "16Gi")."""
+    cpu: str = Field("4", pattern=POSITIVE_QUANTITY_PATTERN)
+    """CPU request and limit of the head pod (a positive quantity string: "4", "500m")."""
+    memory: str = Field("16Gi", pattern=POSITIVE_QUANTITY_PATTERN)
+    """Memory request and limit of the head pod (a positive quantity string: "16Gi")."""
 
 
 class WorkerGroupSpec(_Model):
@@ -313,12 +342,12 @@ class WorkerGroupSpec(_Model):
     """Number of worker pods."""
     gpus_per_worker: int = Field(8, ge=0, le=16, strict=True)
     """`nvidia.com/gpu` per worker pod."""
-    cpu: str = Field("32", pattern=QUANTITY_PATTERN)
-    """CPU request and limit per worker pod (a quantity string: "32", "500m")."""
-    memory: str = Field("256Gi", pattern=QUANTITY_PATTERN)
-    """Memory request and limit per worker pod (a quantity string: "256Gi")."""
-    shm_size: str = Field("64Gi", pattern=QUANTITY_PATTERN)
-    """Size of the in-memory `/dev/shm` volume (NCCL, Ray object store; a quantity string: "64Gi")."""
+    cpu: str = Field("32", pattern=POSITIVE_QUANTITY_PATTERN)
+    """CPU request and limit per worker pod (a positive quantity string: "32", "500m")."""
+    memory: str = Field("256Gi", pattern=POSITIVE_QUANTITY_PATTERN)
+    """Memory request and limit per worker pod (a positive quantity string: "256Gi")."""
+    shm_size: str = Field("64Gi", pattern=POSITIVE_QUANTITY_PATTERN)
+    """Size of the in-memory `/dev/shm` volume (NCCL, Ray object store; a positive quantity string: "64Gi")."""
     instance_type: str | None = None
     """Pin to an instance type (label `node.kubernetes.io/instance-type`), e.g. ml.p5.48xlarge."""
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -583,15 +612,93 @@ class RLTrainingJobStatus(_Model):
     """Name of the RayService serving the adapter (spec.serving.enabled)."""
 
 
+#: The name part of a label or annotation key, and a non-empty label value: at most 63 characters, letters, digits,
+#: '-', '_' and '.', beginning and ending with a letter or digit (Kubernetes "Labels and Selectors", syntax and
+#: character set: https://kubernetes.io/docs/concepts/overview/working-with-objects/labels/#syntax-and-character-set).
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+#: The optional prefix of a key (before '/'): a DNS subdomain, dot-separated DNS labels, at most 253 characters.
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+#: The API server's limit on the total size of an object's annotations, keys and values (256 KiB; annotation keys
+#: follow label-key syntax: https://kubernetes.io/docs/concepts/overview/working-with-objects/annotations/).
+ANNOTATIONS_MAX_BYTES = 256 * 1024
+_KEY_RULE = ("an optional DNS-subdomain prefix and '/', then a name of at most 63 characters: letters, digits, "
+             "'-', '_' and '.', beginning and ending with a letter or digit")
+_VALUE_RULE = ("at most 63 characters: letters, digits, '-', '_' and '.', beginning and ending with a letter or digit, "
+               "or empty")
+
+
+def _key_problem(key: Any) -> str | None:
+    """Why ``key`` is not a valid label or annotation key (a Kubernetes qualified name), else None."""
+    if not isinstance(key, str):
+        return f"keys are strings; got the {_kind_of(key)} {key!r}" + (" (quote it)" if key is not None else "")
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+        return f"{key!r} is not a valid key: its prefix {prefix!r} must be a lowercase DNS subdomain ({_KEY_RULE})"
+    if len(name) > 63 or not _LABEL_NAME.match(name):
+        return f"{key!r} is not a valid key ({_KEY_RULE})"
+    return None
+
+
+def _kind_of(value: Any) -> str:
+    return {bool: "boolean", int: "number", float: "number"}.get(type(value), type(value).__name__)
+
+
+def _string_value_problem(key: Any, value: Any) -> str | None:
+    if value is None:
+        return f"the value of {key!r} is empty: write \"\" for an empty string"
+    if not isinstance(value, str):
+        quote = " (quote it)" if isinstance(value, (bool, int, float)) else ""
+        return f"the value of {key!r} must be a string; got the {_kind_of(value)} {value!r}{quote}"
+    return None
+
+
 class ObjectMeta(_Model):
-    """The part of metav1.ObjectMeta the trainer and `daedalus validate` read."""
+    """The part of metav1.ObjectMeta the trainer and `daedalus validate` read, checked as the API server checks it
+    (Kubernetes API conventions, "Metadata"; names and namespaces: "Object Names and IDs",
+    https://kubernetes.io/docs/concepts/overview/working-with-objects/names/). Other metadata fields (uid,
+    resourceVersion, ... in an object read back from the API server) are kept unchecked."""
 
     model_config = ConfigDict(extra="allow")
 
-    name: str = Field("local", pattern=DNS_LABEL_PATTERN, max_length=63)
-    """Job name (DNS label)."""
-    namespace: str = "default"
-    """Namespace."""
+    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=63)
+    """Job name, required: an RFC 1123 DNS label (at most 63 characters), because it names the job's RayCluster,
+    pods and label values; local runs keep their files under it (`runs/<name>/`), so a default name would make two
+    unnamed jobs share (and resume) each other's files."""
+    namespace: str = Field("default", pattern=DNS_LABEL_PATTERN, max_length=63)
+    """Namespace: an RFC 1123 DNS label (at most 63 characters), as Kubernetes requires of namespace names. Local
+    runs also write under `<checkpoint.path>/<namespace>/<name>/`, which this keeps inside `checkpoint.path` (no
+    `..` or `/`)."""
+    labels: dict[Any, Any] | None = None
+    """Labels: string keys and values in Kubernetes label syntax (see :data:`_LABEL_NAME`)."""
+    annotations: dict[Any, Any] | None = None
+    """Annotations: keys in label-key syntax, string values, at most 256 KiB in all."""
+
+    @field_validator("labels")
+    @classmethod
+    def _label_syntax(cls, v: dict[Any, Any] | None) -> dict[Any, Any] | None:
+        problems = []
+        for key, value in (v or {}).items():
+            problem = _key_problem(key) or _string_value_problem(key, value)
+            if problem is None and (len(value) > 63 or (value and not _LABEL_NAME.match(value))):
+                problem = f"the value {value!r} of {key!r} is not a valid label value ({_VALUE_RULE})"
+            if problem:
+                problems.append(problem)
+        if problems:  # one error per problem, each at metadata.labels (as the API server reports them)
+            raise ValueError("\n".join(f"metadata.labels: {p}" for p in problems))
+        return v
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotation_syntax(cls, v: dict[Any, Any] | None) -> dict[Any, Any] | None:
+        problems = [p for key, value in (v or {}).items()
+                    if (p := _key_problem(key) or _string_value_problem(key, value))]
+        if not problems:
+            size = sum(len(k.encode()) + len(val.encode()) for k, val in (v or {}).items())
+            if size > ANNOTATIONS_MAX_BYTES:
+                problems.append(f"{size} bytes in all; the API server allows at most {ANNOTATIONS_MAX_BYTES} (256 KiB)")
+        if problems:
+            raise ValueError("\n".join(f"metadata.annotations: {p}" for p in problems))
+        return v
 
 
 class RLTrainingJob(_Model):
@@ -603,10 +710,10 @@ class RLTrainingJob(_Model):
     """API version."""
     kind: Literal["RLTrainingJob"] = KIND
     """Kind."""
-    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
-    """Object metadata."""
-    spec: RLTrainingJobSpec = Field(default_factory=RLTrainingJobSpec)
-    """Desired state."""
+    metadata: ObjectMeta
+    """Object metadata; `name` is required."""
+    spec: RLTrainingJobSpec
+    """Desired state (required; its sections may be left out for their defaults)."""
     status: RLTrainingJobStatus | None = None
     """Observed state."""
 
@@ -856,15 +963,32 @@ def _unquoted(value: Any) -> Any:
     return parsed if isinstance(parsed, (bool, int, float)) else None
 
 
+#: The error for a job without ``metadata.name`` (every command needs one: :class:`ObjectMeta`).
+NAME_REQUIRED = ("the API server rejects an object without a name, and local runs keep their files under it "
+                 "(runs/<name>/, <checkpoint.path>/<namespace>/<name>/)")
+
+
 def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
     out = []
     for err in exc.errors():
         path = _loc_to_path(err["loc"])
         msg = err["msg"]
+        loc, empty = tuple(err["loc"]), err["type"] == "model_type" and err.get("input") is None
+        if (loc in (("metadata",), ("metadata", "name")) and (err["type"] == "missing" or empty)
+                or loc == ("metadata", "name") and err.get("input", "") is None):
+            out.append(("metadata.name", ("required (metadata is empty): " if empty else "required: ") + NAME_REQUIRED))
+            continue
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
-        elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == QUANTITY_PATTERN:
+        elif (err["type"] == "string_pattern_mismatch"
+              and err.get("ctx", {}).get("pattern") == POSITIVE_QUANTITY_PATTERN
+              and re.match(QUANTITY_PATTERN, err["input"])):
+            msg = f"must be a quantity greater than zero (a Ray pod's resources); got {err['input']!r}"
+        elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") in (
+                QUANTITY_PATTERN, POSITIVE_QUANTITY_PATTERN):
             msg = f"must be a Kubernetes quantity such as \"4\", \"500m\" or \"16Gi\"; got {err['input']!r}"
+        elif err["type"] == "string_too_long" and isinstance(err.get("input"), str):
+            msg += f" (got {err['input']!r}, {len(err['input'])} characters)"
         elif err["type"] == "string_type" and isinstance(err.get("input"), (int, float)):
             msg += f" (got the number {err['input']!r}: quote it)"
         elif err["type"] in ("float_type", "bool_type", "int_type") and _unquoted(err.get("input")) is not None:
@@ -875,15 +999,20 @@ def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
         elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == DNS_LABEL_PATTERN:
             msg = ("must be a lowercase DNS label: a-z, 0-9 and '-', starting and ending with a letter or digit "
                    f"(RFC 1123); got {err.get('input')!r}")
-        elif err["type"] == "model_type" and err.get("input") is None:
+        elif empty and loc == ("spec",):
+            msg = "must be a mapping: the job's desired state (model, algorithm, environment, ...); got an empty value"
+        elif empty:
             msg = "must be a mapping; got an empty value (give the section fields, or leave it out for the defaults)"
         elif err["type"] == "model_type":
             msg = f"must be a mapping of fields; got {type(err.get('input')).__name__} {err.get('input')!r}"
         elif err["type"] == "extra_forbidden":
             msg = _unknown_field_message(tuple(err["loc"]))
-        # Cross-field rules raise "<path>: message" lines from the model validator: lift the paths out.
+        # Validators that find several problems (the cross-field rules, metadata.labels) raise "<path>: message" lines,
+        # each path at or under the failing field's: lift the paths out, one error per line.
         lines = msg.split("\n")
-        if all(": " in line and line.split(": ", 1)[0].startswith("spec") for line in lines):
+        heads = [line.split(": ", 1)[0] for line in lines]
+        if all(": " in line for line in lines) and all(
+                h == path or h.startswith((path + ".", path + "[")) for h in heads):
             out.extend(tuple(line.split(": ", 1)) for line in lines)
         else:
             out.append((path or "(root)", msg))
@@ -891,7 +1020,11 @@ def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
 
 
 def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJob:
-    """Validate a manifest dict into an :class:`RLTrainingJob`.
+    """Validate a manifest dict into an :class:`RLTrainingJob`, as the API server would at ``kubectl apply``.
+
+    Every command reads a job through here (``daedalus validate``, and :func:`load_job` for ``run``, ``train``,
+    ``sft`` and ``eval``), so all of them require what Kubernetes requires: ``apiVersion``, ``kind``,
+    ``metadata.name`` (a DNS label; no default name, see :class:`ObjectMeta`) and ``spec``.
 
     Raises:
         SpecError: with every problem and its field path (e.g. ``spec.environment.size``).
@@ -899,19 +1032,25 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
     if not isinstance(obj, dict):
         raise SpecError([("(root)", f"expected a mapping, got {type(obj).__name__}")], source)
     errors: list[tuple[str, str]] = []
-    if obj.get("kind", KIND) != KIND:
-        errors.append(("kind", f"expected {KIND!r}, got {obj.get('kind')!r}"))
-    if obj.get("apiVersion", API_VERSION) != API_VERSION:
-        errors.append(("apiVersion", f"expected {API_VERSION!r}, got {obj.get('apiVersion')!r}"))
-    if errors and obj.get("kind", KIND) != KIND:
+    # `apiVersion` and `kind` are required, as kubectl requires them ("apiVersion not set", "kind not set"): every
+    # object carries both (Kubernetes API conventions, "Types (Kinds)", sig-architecture/api-conventions.md).
+    kind, api_version = obj.get("kind"), obj.get("apiVersion")
+    if kind is None:
+        errors.append(("kind", f"required: {KIND!r} (kubectl refuses a document without it: \"kind not set\")"))
+    elif kind != KIND:
+        errors.append(("kind", f"expected {KIND!r}, got {kind!r}"))
+    if api_version is None:
+        errors.append(("apiVersion", f"required: {API_VERSION!r} (kubectl refuses a document without it: "
+                                     "\"apiVersion not set\")"))
+    elif api_version != API_VERSION:
+        errors.append(("apiVersion", f"expected {API_VERSION!r}, got {api_version!r}"))
+    if kind is not None and kind != KIND:
         raise SpecError(errors, source)  # another kind of object: its fields say nothing about a job's
-    # Top-level keys are checked here: a missing or misspelt `spec` would otherwise be validated as the defaults and
-    # reported as whatever those lack.
+    # Top-level keys are checked here: a misspelt `spec` is then one error about the spelling (and `spec` missing).
     top = set(_fields_of(RLTrainingJob))
     errors.extend((k, _unknown_field_message((k,))) for k in obj if k not in top)
     if "spec" not in obj:
         errors.append(("spec", "required: the job's desired state (model, algorithm, environment, ...)"))
-        raise SpecError(errors, source)
     # `status` is the operator's (an object read back from the API server carries it): it is read as JSON, not held
     # to the strict rules of what a user writes (its phase is a string there, never an enum instance).
     status = obj.get("status")
@@ -921,7 +1060,7 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
         # the camelCase field names of the CRD (a snake_case key would be an unknown field there).
         job = RLTrainingJob.model_validate(manifest, strict=True, by_alias=True, by_name=False)
     except ValidationError as exc:
-        reported = {path for path, _ in errors}  # apiVersion / kind: our message above says more than the literal's
+        reported = {path for path, _ in errors}  # apiVersion, kind, spec: our messages above say more
         errors.extend(e for e in _errors_from(exc) if e[0] not in reported)
         raise SpecError(errors, source) from None
     if status is not None:
@@ -966,18 +1105,58 @@ def load_documents(path: str | Path) -> list[Any]:
     # A `kind: List` (what `kubectl get rltj -o yaml` prints) stands for its items; one without items holds no job.
     docs = [item for d in docs for item in (
         d.get("items") or [] if isinstance(d, dict) and str(d.get("kind", "")).endswith("List") else [d])]
-    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    # A document without a kind is taken for a job (its validation then says the kind is missing), not skipped as
+    # another kind of object would be.
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") in (KIND, None)]
     return jobs or docs[:1]
 
 
+def _doc_key(doc: Any) -> tuple[str | None, str] | None:
+    """(namespace as written, name) of a document that names itself, else None."""
+    meta = doc.get("metadata") if isinstance(doc, dict) else None
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not meta["name"]:
+        return None
+    namespace = meta.get("namespace")
+    return (namespace if isinstance(namespace, str) else None, meta["name"])
+
+
+def duplicate_name_errors(docs: list[Any]) -> dict[int, list[tuple[str, str]]]:
+    """Errors for the documents (by index in ``docs``, as :func:`load_documents` returns them) that repeat the
+    namespace and name of an earlier one. In one file such jobs are one object to ``kubectl apply``: the later is
+    applied over the earlier (or refused, as an edit of its immutable sections), and local runs would share files.
+    A document without a namespace matches only another without one (both go to the current namespace)."""
+    first: dict[tuple[str | None, str], int] = {}
+    out: dict[int, list[tuple[str, str]]] = {}
+    for i, doc in enumerate(docs):
+        key = _doc_key(doc)
+        if key is None:
+            continue
+        if key in first:
+            namespace = f"namespace {key[0]!r}" if key[0] is not None else "namespace not set"
+            out.setdefault(i, []).append((
+                "metadata.name",
+                f"{key[1]!r} ({namespace}) is also the name of RLTrainingJob document {first[key] + 1} of "
+                f"{len(docs)} in this file: kubectl apply would make them one object; give each job its own name"))
+        else:
+            first[key] = i
+    return out
+
+
 def load_job(path: str | Path) -> RLTrainingJob:
-    """Read an RLTrainingJob from a YAML or JSON file (the first document whose kind is RLTrainingJob).
+    """Read the one RLTrainingJob of a YAML or JSON file (the job of ``daedalus run``, ``train``, ``sft`` and
+    ``eval``). Other kinds of objects in the file are skipped; two or more jobs (documents, or items of a
+    ``kind: List``) are refused rather than one of them silently chosen.
 
     Raises:
         FileNotFoundError: the file does not exist.
-        SpecError: the YAML is malformed, holds no job, or the job is invalid (every error with its field path).
+        SpecError: the YAML is malformed, holds no job or more than one, or the job is invalid (every error with its
+            field path).
     """
     docs = load_documents(path)
     if not docs:
         raise SpecError([("(root)", "the List holds no items: no RLTrainingJob to read")], str(path))
+    if len(docs) > 1:
+        names = ", ".join(repr(key[1]) if (key := _doc_key(d)) else "unnamed" for d in docs)
+        raise SpecError([("(file)", f"holds {len(docs)} RLTrainingJobs ({names}); daedalus run, train, sft and eval "
+                                    "take one: split the file (daedalus validate checks them all)")], str(path))
     return parse_job(docs[0], source=str(path))
