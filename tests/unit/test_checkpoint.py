@@ -316,6 +316,11 @@ def test_resume_option_semantics(tmp_path: Path) -> None:
     assert resolve_resume(str(root), tmp_path / "elsewhere").step == 2
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_resume(str(tmp_path / "missing"), root)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(CheckpointError, match="afile is a file; give a checkpoint directory"):
+        resolve_resume(str(tmp_path / "afile"), root)
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        resolve_resume(str(tmp_path), root / "other")
     (root / "step-000001" / "trainer_state.json").write_text("{}")
     with pytest.raises(CheckpointCorruptError, match="trainer_state.json: size mismatch"):
         resolve_resume(str(root / "step-000001"), root)  # an explicit PATH never falls back

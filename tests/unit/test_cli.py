@@ -112,6 +112,14 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     assert cli.main(["train", "--config", str(job_file), "--out", str(out)]) == 2
     assert "DAEDALUS_ATTEMPT='two' is not a whole number" in capsys.readouterr().err
     assert not out.exists()  # nothing was started
+    monkeypatch.delenv("DAEDALUS_ATTEMPT")
+    job = tiny_job_dict()
+    job["spec"]["model"]["sftAdapter"] = str(tmp_path / "no-such-adapter")
+    job_file.write_text(yaml.safe_dump(job))
+    assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert "no-such-adapter' does not exist on this machine" in capsys.readouterr().err
+    assert cli.main(["eval", EXAMPLE, "--model", str(tmp_path / "no-such-model")]) == 2
+    assert "no-such-model does not exist (expected a model directory" in capsys.readouterr().err
 
 
 def test_a_directory_or_binary_file_is_a_spec_error(tmp_path, capsys):

@@ -713,8 +713,8 @@ def resolve_resume(resume: str, root: str | os.PathLike[str]) -> LoadedCheckpoin
       (holds ``step-*`` directories) whose newest verifying checkpoint is loaded.
 
     Raises:
-        CheckpointError: ``PATH`` does not exist or holds no checkpoint; CheckpointCorruptError: it fails
-            verification.
+        CheckpointError: ``PATH`` does not exist, is a file or holds no checkpoint; CheckpointCorruptError: it
+            fails verification.
     """
     if resume == "none":
         return None
@@ -723,6 +723,9 @@ def resolve_resume(resume: str, root: str | os.PathLike[str]) -> LoadedCheckpoin
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(f"resume path {path} does not exist (expected 'latest', 'none' or a checkpoint path)")
+    if not path.is_dir():
+        raise CheckpointError(f"resume path {path} is a file; give a checkpoint directory (step-NNNNNN, with "
+                              f"{MANIFEST}) or a checkpoints/ root holding such directories")
     if (path / MANIFEST).exists() or _step_of(path.name) is not None:
         return load_checkpoint(path)
     loaded = load_latest(path)

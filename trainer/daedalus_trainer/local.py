@@ -166,6 +166,9 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     from daedalus_trainer.policy import is_adapter_dir, is_checkpoint_dir, resolve_base_dir
 
     start_is_adapter = is_adapter_dir(start_dir)
+    if not Path(start_dir).exists():
+        errors.print(f"[red]model.sftAdapter {start_dir!r} does not exist on this machine[/red]")
+        return 2
     if not (start_is_adapter or is_checkpoint_dir(start_dir)):
         errors.print(f"[red]model.sftAdapter {start_dir!r} is neither a PEFT adapter directory (adapter_config.json) "
                       "nor a model directory (config.json) on this machine[/red]")

@@ -726,6 +726,8 @@ def load_pretrained(path: str | Path, dtype: str = "float32", device: torch.devi
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist (expected a model directory with config.json)")
     if not is_checkpoint_dir(path):
         raise FileNotFoundError(f"{path} holds no Hugging Face checkpoint (config.json)")
     dev = torch.device(device) if device is not None else default_device()
