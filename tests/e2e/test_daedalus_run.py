@@ -72,6 +72,8 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     assert "SFT start" in out and "after GRPO" in out and "greedy, training layouts" in out
     assert f"{report['success_before']:.1%}" in out and f"{report['success_after']:.1%}" in out
     assert "GRPO steps: 2 in" in out
+    assert "GRPO step 1/2: reward" in out and "GRPO step 2/2: reward" in out  # progress lines in a log
+    assert "last column: greedy, 8 training-layout mazes, 1 corner pair each" in out
     assert "8 layouts x 2 start/goal corner pairs" in out and "held-out greedy gain:" in out
     assert f"{gain['fixed']} episodes fixed, {gain['broken']} broken" in out
 
@@ -82,6 +84,12 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     assert "Evaluation of the starting point" in first.stdout and "Evaluation of the starting point" not in again.stdout
     second = json.loads((run_dir / "report.json").read_text())
     assert second["steps"] == 2 and second["success_before"] == report["success_before"]
+    # nothing left to train: the trained adapter's evaluation is reused too, and the report keeps the timings of the
+    # run that trained
+    assert "Evaluation after GRPO" in first.stdout and "Evaluation after GRPO" not in again.stdout
+    assert "nothing left to train" in again.stdout
+    assert (second["wall_seconds"], second["grpo_wall_seconds"]) == (report["wall_seconds"],
+                                                                     report["grpo_wall_seconds"])
     # the same adapter evaluated on the same mazes greedily: the same figure
     assert second["success_after"] == report["success_after"]
     assert second["training_success_after"] == report["training_success_after"]

@@ -295,6 +295,16 @@ def test_start_fingerprint_follows_weights_and_evaluation_settings(tmp_path, mon
     weights.write_bytes(b"y" * 100)  # a new save of the same size
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     assert start_fingerprint(job, str(model), None) != first
+    # the adapter by content: exported again byte for byte (a rerun of a finished run), the same; changed, not
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"a" * 64)
+    with_adapter = start_fingerprint(job, str(model), str(adapter))
+    (adapter / "adapter_model.safetensors").write_bytes(b"a" * 64)
+    os.utime(adapter / "adapter_model.safetensors", ns=(1, 2))
+    assert start_fingerprint(job, str(model), str(adapter)) == with_adapter
+    (adapter / "adapter_model.safetensors").write_bytes(b"b" * 64)
+    assert start_fingerprint(job, str(model), str(adapter)) != with_adapter
 
 
 def test_a_file_with_two_jobs_is_refused_by_the_commands_that_take_one(tmp_path, capsys):

@@ -188,6 +188,26 @@ def test_sft_refuses_a_run_that_other_settings_started(tmp_path):
     sft.run_sft(_short_job(None, 2), out, resume=False, **fast)
 
 
+def test_sft_says_when_its_time_budget_ends_it_before_its_steps(tmp_path, caplog):
+    """sft.maxSeconds reached before sft.steps: a warning with both figures (the start then follows the machine's
+    speed); the report records the steps done against the step budget."""
+    import logging
+
+    job = make_tiny_job(None, sft={"steps": 100000, "batchSize": 4, "learningRate": 0.003, "maxSeconds": 2},
+                        environment={"evalMazes": 16, "maxTurns": 4})
+    with caplog.at_level(logging.WARNING, logger="daedalus.sft"):
+        sft.run_sft(job, tmp_path, resume=False, progress=False, final_eval=False, accuracy_turns=4)
+    report = json.loads((tmp_path / sft.REPORT_NAME).read_text())
+    assert 0 < report["steps"] < 100000 and report["settings"]["steps"] == 100000
+    warned = [r.getMessage() for r in caplog.records if "time budget" in r.getMessage()]
+    assert len(warned) == 1 and f"after {report['steps']} of 100000 steps" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="daedalus.sft"):
+        sft.run_sft(_short_job(None, 2), tmp_path / "steps", resume=False, progress=False, final_eval=False,
+                    accuracy_turns=4)
+    assert not [r for r in caplog.records if "time budget" in r.getMessage()]  # the step budget ended it
+
+
 def test_finished_sft_is_found_from_another_working_directory(tmp_path, monkeypatch):
     """A run made with a relative --out, continued from another directory: done, nothing retrained (the report
     names its result relative to itself, not to the first run's working directory)."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 import time
@@ -62,11 +61,12 @@ def _free_port(preferred: int) -> int:
 
 
 def start_fingerprint(job, model_path: str, adapter_path: str | None) -> str:
-    """What the cached evaluation of the starting point depends on, as a sha256 hex digest: the file name, size in
-    bytes and modification time (ns) of every weight file (``*.safetensors``, ``*.bin``) in ``model_path`` and
-    ``adapter_path``, and the job's ``environment`` and sampling settings (``temperature``, ``topP``,
-    ``maxTokensPerTurn``). File metadata rather than content, so a multi-GB base model costs no read; any new save
-    of the weights changes the modification time."""
+    """What a cached evaluation (of the starting point, or of the trained adapter) depends on, as a sha256 hex
+    digest: the file name, size in bytes and modification time (ns) of every weight file (``*.safetensors``,
+    ``*.bin``) in ``model_path``, the name and sha256 of every weight file in ``adapter_path``, and the job's
+    ``environment`` and sampling settings (``temperature``, ``topP``, ``maxTokensPerTurn``). The model by file
+    metadata, so a multi-GB base model costs no read (any new save of it changes the modification time); the adapter
+    (megabytes) by content, because every finished run exports it again, byte for byte the same."""
     import hashlib
 
     files = []
@@ -76,7 +76,10 @@ def start_fingerprint(job, model_path: str, adapter_path: str | None) -> str:
                 if f.suffix in (".safetensors", ".bin") and f.is_file():
                     st = f.stat()
                     # the name, not the path: the same run continued from another working directory is the same start
-                    files.append([role, f.name, st.st_size, st.st_mtime_ns])
+                    if role == "adapter":
+                        files.append([role, f.name, hashlib.sha256(f.read_bytes()).hexdigest()])
+                    else:
+                        files.append([role, f.name, st.st_size, st.st_mtime_ns])
     algo = job.spec.algorithm
     key = {"files": files, "environment": job.spec.environment.model_dump(mode="json"),
            "sampling": [algo.temperature, algo.top_p, algo.max_tokens_per_turn]}
@@ -160,6 +163,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         console.rule("SFT on solver demonstrations" + (" and solver-labelled own states (DAgger)" if dagger else ""))
         # the evaluation right after replaces SFT's own final one
         start_dir = str(sft.run_sft(job, run_dir / "sft", resume=resume != "none", final_eval=False))
+        _print_sft_summary(console, run_dir / "sft" / sft.REPORT_NAME)
     work_dir = run_dir
     # What evaluation loads: a full SFT model (tiny) with GRPO's fresh adapter on top, or the base model with the SFT
     # adapter (which GRPO trains further, so the exported adapter replaces it).
@@ -216,16 +220,36 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         console.print("[yellow]training stopped before the end; run the command again to resume[/yellow]")
         return 0
 
-    # 4. after
-    console.rule("Evaluation after GRPO (held-out and training layouts)")
-    after, after_training = _evaluate(job, eval_model, str(result.adapter_dir))
-    (run_dir / "eval-after.json").write_text(json.dumps(after, indent=2))
-    (run_dir / "eval-after-training.json").write_text(json.dumps(after_training, indent=2))
+    # 4. after (cached like the start's: a run that had nothing left to train evaluates nothing again)
+    after_file, after_training_file = run_dir / "eval-after.json", run_dir / "eval-after-training.json"
+    after_fingerprint = start_fingerprint(job, eval_model, str(result.adapter_dir))
+    after = after_training = None
+    if after_file.is_file() and after_training_file.is_file():
+        after = json.loads(after_file.read_text())
+        after_training = json.loads(after_training_file.read_text())
+        if after.get("start_fingerprint") != after_fingerprint or \
+                after_training.get("start_fingerprint") != after_fingerprint:
+            after = after_training = None
+    if after is None or after_training is None:
+        console.rule("Evaluation after GRPO (held-out and training layouts)")
+        after, after_training = _evaluate(job, eval_model, str(result.adapter_dir))
+        for ev, path in ((after, after_file), (after_training, after_training_file)):
+            ev["start_fingerprint"] = after_fingerprint
+            path.write_text(json.dumps(ev, indent=2))
 
     report = _report(job, before, after, result, time.perf_counter() - started,
                      training=(before_training, after_training))
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2))
-    curves = _plot_curves(result.history, run_dir / "curves.png", before, after, (before_training, after_training))
+    report_file = run_dir / "report.json"
+    trained_nothing = result.resumed_from is not None and result.resumed_from >= result.steps_done
+    if trained_nothing and report_file.is_file():
+        # A rerun of a finished run: the timings that mean something are those of the call that trained.
+        old = json.loads(report_file.read_text())
+        if old.get("steps") == result.steps_done:
+            report["wall_seconds"], report["grpo_wall_seconds"] = old["wall_seconds"], old["grpo_wall_seconds"]
+            console.print("nothing left to train: the timings below are those of the run that trained")
+    report_file.write_text(json.dumps(report, indent=2))
+    curves = _plot_curves(result.history, run_dir / "curves.png", before, after, (before_training, after_training),
+                          job.spec.algorithm.mazes_per_step)
 
     corners = report["eval_corners"]
     episodes = (f"{report['eval_mazes']} mazes" if corners == 1 else
@@ -238,6 +262,8 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     table.add_column("sampled success", justify="right")
     table.add_column("mean turns", justify="right")
     table.add_column("greedy, training layouts", justify="right")
+    n_training = _greedy(after_training)["episodes"]
+    table.caption = f"last column: greedy, {n_training} training-layout mazes, 1 corner pair each"
     for name, ev, ev_training in (("SFT start", before, before_training), ("after GRPO", after, after_training)):
         g = _greedy(ev)
         s = _sampled(ev)
@@ -256,6 +282,22 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                   f"adapter: {_shown(result.adapter_dir)}  curves: {_shown(curves)}  "
                   f"report: {_shown(run_dir / 'report.json')}")
     return 0
+
+
+def _print_sft_summary(console, report_path: Path) -> None:
+    """One line on the SFT starting point from its ``sft_report.json``: steps of the step budget, seconds, and a
+    warning when ``sft.maxSeconds`` ended it first (the start then depends on the machine's speed)."""
+    if not report_path.is_file():
+        return
+    rep = json.loads(report_path.read_text())
+    budget = (rep.get("settings") or {}).get("steps")
+    line = f"SFT: {rep.get('steps')} of {budget} steps in {rep.get('seconds', 0):.0f} s"
+    if budget and rep.get("steps", 0) < budget:
+        max_seconds = (rep.get("settings") or {}).get("max_seconds", 0)
+        line = (f"[yellow]{line}: stopped by sft.maxSeconds ({max_seconds:.0f} s) on this machine, so the start "
+                "(and every figure after it) follows this machine's speed; sft.maxSeconds: 0 trains all "
+                f"{budget} steps[/yellow]")
+    console.print(line)
 
 
 def _shown(path: str | Path) -> str:
@@ -320,8 +362,10 @@ def _report(job, before: dict, after: dict, result, wall: float, training: tuple
     }
 
 
-def _plot_curves(history: list[dict], out: Path, before: dict, after: dict, training: tuple[dict, dict]) -> Path:
-    """PNG of training reward/success, turns per episode and update loss, with greedy success before/after on the
+def _plot_curves(history: list[dict], out: Path, before: dict, after: dict, training: tuple[dict, dict],
+                 mazes: int) -> Path:
+    """PNG of rollout success (each step and its 8-step mean) and reward, turns per episode, and the groups of
+    ``mazes`` per step whose rewards differ (the ones GRPO learns from), with greedy success before/after on the
     held-out layouts and (``training``: the before/after evaluations there) on the training layouts as horizontal
     lines."""
     import matplotlib
@@ -331,8 +375,15 @@ def _plot_curves(history: list[dict], out: Path, before: dict, after: dict, trai
 
     steps = [h["step"] for h in history]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    axes[0].plot(steps, [h["success_ratio"] for h in history], label="rollout success")
-    axes[0].plot(steps, [h["reward_mean"] for h in history], "--", label="reward mean")
+    success = [h["success_ratio"] for h in history]
+    axes[0].plot(steps, success, color="tab:blue", alpha=0.35, lw=0.8, label="rollout success")
+    window = 8
+    if len(success) >= window:
+        rolling = [sum(success[i - window + 1 : i + 1]) / window for i in range(window - 1, len(success))]
+        axes[0].plot(steps[window - 1 :], rolling, color="tab:blue", label=f"rollout success, mean of {window} steps")
+    rewards = [h["reward_mean"] for h in history]
+    if any(abs(r - x) > 1e-9 for r, x in zip(rewards, success)):  # with the sparse 0/1 reward they are the same line
+        axes[0].plot(steps, rewards, "--", color="tab:gray", lw=0.8, label="reward mean")
     axes[0].axhline(_greedy(before)["success_rate"], color="gray", lw=0.8, ls=":", label="held-out greedy, SFT")
     axes[0].axhline(_greedy(after)["success_rate"], color="green", lw=0.8, ls=":", label="held-out greedy, after")
     axes[0].axhline(_greedy(training[0])["success_rate"], color="gray", lw=0.8, ls="-.",
@@ -346,11 +397,15 @@ def _plot_curves(history: list[dict], out: Path, before: dict, after: dict, trai
     axes[1].plot(steps, [h["episode_turns"] for h in history])
     axes[1].set_xlabel("GRPO step")
     axes[1].set_title("turns per episode")
-    losses = [(h["step"], h["loss"]) for h in history if h.get("loss") is not None and math.isfinite(h["loss"])]
-    if losses:
-        axes[2].plot(*zip(*losses))
+    # GRPO learns only from groups whose episodes differ in reward (a group all solved or all failed has zero
+    # advantages); the loss itself is ~0 by construction (advantages are centred per group) and says little.
+    mixed = [(h["step"], mazes - h["zero_variance_groups"]) for h in history
+             if h.get("zero_variance_groups") is not None]
+    if mixed:
+        axes[2].plot(*zip(*mixed), color="tab:purple")
+    axes[2].set_ylim(0, mazes + 0.5)
     axes[2].set_xlabel("GRPO step")
-    axes[2].set_title("policy loss")
+    axes[2].set_title(f"groups (of {mazes}) with mixed rewards")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -368,6 +423,10 @@ class _Progress:
             TextColumn("{task.fields[info]}"), console=console, transient=False,
         )
         self.task = self.progress.add_task("grpo", total=total, info="")
+        self.console, self.total = console, total
+        #: Without a terminal (output redirected to a log) the bar is drawn only at the end: a plain line every
+        #: ``every`` steps instead.
+        self.every = 0 if console.is_terminal else max(1, total // 12)
 
     def __enter__(self):
         self.progress.__enter__()
@@ -381,3 +440,5 @@ class _Progress:
         info = (f"reward {rec['reward_mean']:.2f}  success {rec['success_ratio']:.0%}  "
                 f"turns {rec['episode_turns']:.1f}  {rec['rollout_tokens'] / max(secs, 1e-9):.0f} tok/s")
         self.progress.update(self.task, completed=rec["step"], info=info)
+        if self.every and (rec["step"] % self.every == 0 or rec["step"] == self.total):
+            self.console.print(f"GRPO step {rec['step']}/{self.total}: {info}")

@@ -42,6 +42,7 @@ idle core). Learning rates of 1.5e-3 and 2e-3 stalled at 0.6-0.7 step accuracy; 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -61,6 +62,8 @@ from daedalus_trainer.envs.maze import DELTAS
 from daedalus_trainer.layouts import TrainingSampler, check_layouts, eval_corners, eval_mazes
 from daedalus_trainer.policy import Policy, TokenSequence, load_policy, load_pretrained, resolve_base_dir
 from daedalus_trainer.rollout.episode import make_env
+
+log = logging.getLogger("daedalus.sft")
 
 CHECKPOINT_DIRNAME = "checkpoint"
 MODEL_DIRNAME = "model"
@@ -428,8 +431,8 @@ def check_same_run(ckpt: Path, job: Any) -> None:
         raise CheckpointError(
             f"{ckpt.parent} holds an SFT run started with other settings ({'; '.join(diff)}); continuing or reusing "
             "it would mix the two. Restore those settings, train SFT again into the same directory (`daedalus run "
-            "--resume none`, `daedalus sft --no-resume`: the old SFT model is replaced), or give the job another "
-            "metadata.name")
+            "JOB.yaml --resume none`, or `daedalus sft JOB.yaml --no-resume`: the old SFT model is replaced), or give "
+            "the job another metadata.name")
 
 
 def _find_checkpoint(out_dir: Path) -> Path | None:
@@ -650,6 +653,11 @@ def run_sft(
         prefetch.shutdown(wait=True, cancel_futures=True)
     bar.close()
     save_checkpoint(out_dir, policy, optimizer, state)
+    if state.step < max_steps:
+        log.warning("SFT stopped at its time budget (sft.maxSeconds %.0f s) after %d of %d steps (%.1f steps/s): "
+                    "the starting point then depends on this machine's speed, and runs are not reproducible step "
+                    "for step; raise sft.maxSeconds (0: no time budget) for the full %d steps", max_seconds,
+                    state.step, max_steps, state.step / max(state.seconds, 1e-9), max_steps)
 
     policy.model.eval()
     if policy.has_adapter:
