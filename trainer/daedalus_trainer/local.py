@@ -10,8 +10,9 @@ Stages, each resumable (run the command again after an interrupt and it continue
    set or sampling setting, or ``--resume none`` evaluates again.
 3. GRPO with a LoRA adapter on a local Ray (`spec.cluster` is ignored), checkpoints in ``runs/<name>/checkpoints/``,
    metrics and control on http://127.0.0.1:<port>/metrics.
-4. Evaluation of the trained adapter (the same two sets), then a before/after table, ``report.json`` and
-   ``curves.png``. The held-out columns are the result; the training-layout column shows what training learned on
+4. Evaluation of the trained adapter (the same two sets; cached in ``eval-after.json`` and
+   ``eval-after-training.json`` while the adapter's content is the same, so a rerun of a finished run evaluates
+   nothing again and keeps the report's timings), then a before/after table, ``report.json`` and ``curves.png``. The held-out columns are the result; the training-layout column shows what training learned on
    the layouts it trained on, so a gain there without one on held-out layouts reads as memorisation.
 """
 
@@ -84,6 +85,28 @@ def start_fingerprint(job, model_path: str, adapter_path: str | None) -> str:
     key = {"files": files, "environment": job.spec.environment.model_dump(mode="json"),
            "sampling": [algo.temperature, algo.top_p, algo.max_tokens_per_turn]}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _cached_evaluation(console, job, model_path: str, adapter_path: str | None, run_dir: Path, when: str, *,
+                       title: str, stale: str | None = None, use_cache: bool = True) -> tuple[dict, dict]:
+    """``(held-out, training-layout)`` evaluation reports of ``model_path`` (+ ``adapter_path``), from
+    ``run_dir/eval-<when>.json`` and ``eval-<when>-training.json`` while both carry this start's
+    :func:`start_fingerprint`, else evaluated now (under the rule ``title``; ``stale`` printed first when the files
+    exist but describe another start) and written there with it."""
+    files = run_dir / f"eval-{when}.json", run_dir / f"eval-{when}-training.json"
+    fingerprint = start_fingerprint(job, model_path, adapter_path)
+    if use_cache and all(f.is_file() for f in files):
+        cached = [json.loads(f.read_text()) for f in files]
+        if all(ev.get("start_fingerprint") == fingerprint for ev in cached):
+            return cached[0], cached[1]
+        if stale:
+            console.print(stale)
+    console.rule(title)
+    evaluated = _evaluate(job, model_path, adapter_path)
+    for ev, path in zip(evaluated, files):
+        ev["start_fingerprint"] = fingerprint
+        path.write_text(json.dumps(ev, indent=2))
+    return evaluated
 
 
 def _evaluate(job, model_path: str, adapter_path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -183,22 +206,11 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         eval_model, start_adapter = start_dir, None
 
     # 2. before
-    before_file, before_training_file = run_dir / "eval-before.json", run_dir / "eval-before-training.json"
-    fingerprint = start_fingerprint(job, eval_model, start_adapter)
-    before = before_training = None
-    if resume != "none" and before_file.is_file() and before_training_file.is_file():
-        before = json.loads(before_file.read_text())
-        before_training = json.loads(before_training_file.read_text())
-        if before.get("start_fingerprint") != fingerprint or before_training.get("start_fingerprint") != fingerprint:
-            console.print("the starting point or the evaluation settings changed since eval-before.json was "
-                          "written: evaluating it again")
-            before = before_training = None
-    if before is None or before_training is None:
-        console.rule("Evaluation of the starting point (held-out and training layouts)")
-        before, before_training = _evaluate(job, eval_model, start_adapter)
-        for ev, path in ((before, before_file), (before_training, before_training_file)):
-            ev["start_fingerprint"] = fingerprint
-            path.write_text(json.dumps(ev, indent=2))
+    before, before_training = _cached_evaluation(
+        console, job, eval_model, start_adapter, run_dir, "before", use_cache=resume != "none",
+        title="Evaluation of the starting point (held-out and training layouts)",
+        stale="the starting point or the evaluation settings changed since eval-before.json was written: "
+              "evaluating it again")
 
     # 3. GRPO
     console.rule("GRPO (LoRA) on a local Ray")
@@ -221,21 +233,9 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         return 0
 
     # 4. after (cached like the start's: a run that had nothing left to train evaluates nothing again)
-    after_file, after_training_file = run_dir / "eval-after.json", run_dir / "eval-after-training.json"
-    after_fingerprint = start_fingerprint(job, eval_model, str(result.adapter_dir))
-    after = after_training = None
-    if after_file.is_file() and after_training_file.is_file():
-        after = json.loads(after_file.read_text())
-        after_training = json.loads(after_training_file.read_text())
-        if after.get("start_fingerprint") != after_fingerprint or \
-                after_training.get("start_fingerprint") != after_fingerprint:
-            after = after_training = None
-    if after is None or after_training is None:
-        console.rule("Evaluation after GRPO (held-out and training layouts)")
-        after, after_training = _evaluate(job, eval_model, str(result.adapter_dir))
-        for ev, path in ((after, after_file), (after_training, after_training_file)):
-            ev["start_fingerprint"] = after_fingerprint
-            path.write_text(json.dumps(ev, indent=2))
+    after, after_training = _cached_evaluation(
+        console, job, eval_model, str(result.adapter_dir), run_dir, "after",
+        title="Evaluation after GRPO (held-out and training layouts)")
 
     report = _report(job, before, after, result, time.perf_counter() - started,
                      training=(before_training, after_training))
