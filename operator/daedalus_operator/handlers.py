@@ -157,8 +157,11 @@ class PollGate:
         for quiet jobs (seconds); ``tick``: the timer's interval (seconds), half of which is tolerated as jitter so
         that a tick a few milliseconds early does not wait a whole extra tick; ``idle``: the resync interval of a
         quiet job that is not budgeted (seconds; never shorter than ``interval``)."""
-        if not self.quiet or self.changed(version, fingerprint) is not None:
-            return True
+        return not self.quiet or self.changed(version, fingerprint) is not None or self.waited(now, interval, tick,
+                                                                                             idle)
+
+    def waited(self, now: float, interval: float, tick: float, idle: float = IDLE_RESYNC_SECONDS) -> bool:
+        """Whether this quiet job's interval is over at ``now`` (the time part of :meth:`due`, same arguments)."""
         wait = interval if self.budgeted else max(interval, idle)
         return now - self.at >= wait - tick / 2
 
@@ -320,8 +323,9 @@ class Runtime:
             (logger or log).debug("quiet job woken: its %s changed since the last reconcile",
                                   "body" if reason == "job" else reason)
             return True
-        due = gate.due(version, fingerprint, time.monotonic(), self.steady_interval(), self.settings.poll_interval,
-                       self.settings.idle_resync)
+        # nothing it depends on changed (checked once, above): only its interval can make it due
+        due = gate.waited(time.monotonic(), self.steady_interval(), self.settings.poll_interval,
+                          self.settings.idle_resync)
         if not due:
             self.metrics.poll_skips.inc()
         return due
