@@ -117,6 +117,15 @@ class KubeAPI:
         """
         return self._call("GET", "/version") or {}
 
+    def api_groups(self) -> dict:
+        """``GET /apis``: the API groups (an ``APIGroupList``), kopf's first request at start; readable by every
+        authenticated client under the default RBAC (system:discovery).
+
+        Raises:
+            KubeError: the call failed (``status`` 0: no answer).
+        """
+        return self._call("GET", "/apis") or {}
+
     def get(self, key: str, namespace: str | None, name: str) -> dict | None:
         """The object, or ``None`` when it does not exist.
 

@@ -5,7 +5,8 @@ neither is given). High availability: ``--peering NAME --priority N`` (kopf peer
 is active, the others pause) or ``--standalone`` (the default: no peering objects needed). Health: ``--liveness URL``
 (kopf's endpoint, e.g. ``http://0.0.0.0:8080/healthz``; fails when the API server stopped answering). Metrics:
 ``--metrics-port`` (default 9090; 0 disables). Watches: ``--watch-timeout SECONDS`` (server-side watch timeout; a
-stream silent for longer is restarted).
+stream silent for longer is restarted). Start: ``--api-wait SECONDS`` (how long to wait for the API server to answer
+before exiting with one line; default 60).
 
 :func:`run` is the same with a stop flag and a ready flag, for tests that run the operator in a thread.
 """
@@ -17,8 +18,10 @@ import errno
 import logging
 import math
 import os
+import re
 import shlex
 import threading
+import time
 import urllib.parse
 from typing import Any, Callable
 
@@ -205,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-namespace", action="append", default=[], metavar="NS",
                    help="namespace allowed to scrape the trainer's port (e.g. monitoring; repeatable)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster or $KUBECONFIG)")
+    p.add_argument("--api-wait", type=_number("seconds", positive=False, zero="0: one try"), default=60.0,
+                   metavar="SECONDS",
+                   help="at start, seconds to wait for the API server to answer before exiting with one line "
+                        "(>= 0; 0: one try); wrong credentials exit at once")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -271,6 +278,56 @@ def check_kube_config(kubeconfig: str | None) -> Any:
         raise SystemExit(f"{prefix}: not a kubeconfig (a mapping with clusters, contexts and users): {e}") from None
 
 
+def _no_answer_reason(e: kube.KubeError) -> str:
+    """The innermost cause of a failed connection, e.g. ``Connection refused`` from urllib3's ``MaxRetryError(...
+    NewConnectionError(... [Errno 111] Connection refused))``, or the exception's name when it names none."""
+    found = re.findall(r"\[Errno -?\d+\] ([^'\")\]]+)", e.message)
+    if found:
+        return found[-1].strip()
+    if "timed out" in e.message.lower():
+        return "timed out"
+    return e.reason
+
+
+def wait_for_api_server(client: Any, wait: float, *, timeout: float = 5.0, interval: float = 2.0,
+                        log: logging.Logger | None = None) -> None:
+    """Ask the API server for its API groups (``GET /apis``, what kopf's first request is too) until it answers,
+    for at most ``wait`` seconds (0: one try), so that an unreachable server or refused credentials give one line
+    instead of kopf's minute of retries and its aiohttp tracebacks.
+
+    A request that gets no answer (connection refused, DNS, TLS, ``timeout`` seconds without a reply) or a 5xx is
+    retried every ``interval`` seconds and logged once per attempt; 401 and 403 are final at once (waiting does not
+    mend credentials or RBAC).
+
+    Raises:
+        SystemExit: one line naming the server and why (code 1).
+    """
+    log = log or logging.getLogger("daedalus_operator")
+    api_ = kube.KubeAPI(client, timeout=timeout)
+    server = client.configuration.host
+    deadline = time.monotonic() + wait
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            api_.api_groups()
+            return
+        except kube.KubeError as e:
+            if e.status in (401, 403):
+                what = "refused the credentials" if e.status == 401 else "forbids API discovery to this identity"
+                raise SystemExit(f"daedalus operator: the Kubernetes API server at {server} {what} ({e.status} "
+                                 f"{e.reason}): check the kubeconfig's user or the service account and its RBAC"
+                                 ) from None
+            why = _no_answer_reason(e) if e.status == 0 else f"{e.status} {e.reason}"
+            if e.status not in (0, 500, 502, 503, 504) or time.monotonic() + interval > deadline:
+                waited = f" after {attempt} tries in {wait:g} s (--api-wait)" if attempt > 1 else ""
+                raise SystemExit(f"daedalus operator: cannot reach the Kubernetes API server at {server}{waited}: "
+                                 f"{why}") from None
+            log.warning("the Kubernetes API server at %s does not answer (%s); trying again for up to %.0f s",
+                        server, why, max(0.0, deadline - time.monotonic()))
+            time.sleep(interval)
+
+
 def serve_metrics(metrics: OperatorMetrics, port: int) -> None:
     """``metrics.serve(port)`` on all addresses.
 
@@ -295,7 +352,8 @@ def run(argv: list[str], *, stop_flag: threading.Event | None = None, ready_flag
 
     Raises:
         SystemExit: a bad flag value (argparse: code 2), or one line with code 1 when the Kubernetes client
-            configuration cannot be loaded or ``--metrics-port`` cannot be bound.
+            configuration cannot be loaded, ``--metrics-port`` cannot be bound, or the API server does not answer
+            within ``--api-wait`` seconds or refuses the credentials.
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -308,6 +366,11 @@ def run(argv: list[str], *, stop_flag: threading.Event | None = None, ready_flag
     metrics = metrics or OperatorMetrics()
     if args.metrics_port:
         serve_metrics(metrics, args.metrics_port)
+    try:
+        wait_for_api_server(client, args.api_wait, timeout=settings.request_timeout * 2)
+    except SystemExit:
+        metrics.shutdown()
+        raise
     # the startup handler keeps this client (it builds one only when none is given), so the kubeconfig is read once
     rt = Runtime(settings=settings, metrics=metrics, kube=kube.KubeAPI(client, timeout=settings.request_timeout * 2))
     registry = kopf.OperatorRegistry()

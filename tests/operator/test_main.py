@@ -3,9 +3,13 @@ on, and kopf peering against the honest kmock API."""
 
 from __future__ import annotations
 
+import http.server
+import json
+import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +19,8 @@ from operator_env import OperatorEnv
 from prometheus_client import generate_latest
 
 from daedalus_operator import api
-from daedalus_operator.main import build_parser, settings_from_args
+from daedalus_operator.kube import api_client_from_environment
+from daedalus_operator.main import build_parser, settings_from_args, wait_for_api_server
 from daedalus_operator.metrics import OperatorMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,6 +158,101 @@ def test_metrics_port_in_use_exits_with_one_line(tmp_path: Path) -> None:
     assert out.returncode == 1, out.stderr
     assert out.stderr.startswith(f"daedalus operator: --metrics-port {port} is in use"), out.stderr
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+def _kubeconfig(tmp_path: Path, server: str) -> Path:
+    config = tmp_path / "kubeconfig.yaml"
+    config.write_text(KUBECONFIG.replace("https://127.0.0.1:1", server))
+    return config
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _APIServer:
+    """A real HTTP server that answers every GET with the next status of ``statuses`` (the last one repeats) and a
+    Kubernetes ``Status`` or ``APIGroupList`` body; it records the paths asked for."""
+
+    def __init__(self, *statuses: int):
+        self.statuses = list(statuses)
+        self.paths: list[str] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                outer.paths.append(self.path)
+                code = outer.statuses.pop(0) if len(outer.statuses) > 1 else outer.statuses[0]
+                body = ({"kind": "APIGroupList", "apiVersion": "v1", "groups": []} if code == 200 else
+                        {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
+                         "reason": {401: "Unauthorized", 503: "ServiceUnavailable"}.get(code, "Error")})
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_unreachable_api_server_exits_with_one_line_after_api_wait(tmp_path: Path) -> None:
+    """Nothing listens at the kubeconfig's server: a warning per try for --api-wait seconds, then one line and exit
+    1 (kopf alone retried for about a minute and printed 238 lines with five tracebacks)."""
+    server = f"http://127.0.0.1:{_closed_port()}"
+    config = _kubeconfig(tmp_path, server)
+    started = time.monotonic()
+    out = _operator("--kubeconfig", str(config), "--metrics-port", "0", "--api-wait", "3")
+    took = time.monotonic() - started
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.splitlines()[-1]
+    assert last == (f"daedalus operator: cannot reach the Kubernetes API server at {server} after 2 tries in 3 s "
+                    f"(--api-wait): Connection refused"), out.stderr
+    warnings = [ln for ln in out.stderr.splitlines() if "does not answer (Connection refused)" in ln]
+    assert len(warnings) == 1, out.stderr
+    assert "Traceback" not in out.stderr and "kopf" not in out.stderr, out.stderr
+    assert took < 30, took
+    once = _operator("--kubeconfig", str(config), "--metrics-port", "0", "--api-wait", "0")
+    assert once.returncode == 1 and once.stderr == (f"daedalus operator: cannot reach the Kubernetes API server at "
+                                                    f"{server}: Connection refused\n"), once.stderr
+
+
+def test_refused_credentials_exit_at_once(tmp_path: Path) -> None:
+    """A 401 is not waited out: one line naming the server and the status, after one request."""
+    api_server = _APIServer(401)
+    try:
+        out = _operator("--kubeconfig", str(_kubeconfig(tmp_path, api_server.url)), "--metrics-port", "0")
+    finally:
+        api_server.close()
+    assert out.returncode == 1, out.stderr
+    assert out.stderr == (f"daedalus operator: the Kubernetes API server at {api_server.url} refused the credentials "
+                          f"(401 Unauthorized): check the kubeconfig's user or the service account and its RBAC\n")
+    assert api_server.paths == ["/apis"]
+
+
+def test_wait_for_api_server_waits_out_an_unavailable_server(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """503 twice, then the API groups: the wait returns after the third request, having warned twice."""
+    api_server = _APIServer(503, 503, 200)
+    try:
+        client = api_client_from_environment(str(_kubeconfig(tmp_path, api_server.url)))
+        with caplog.at_level(logging.WARNING):
+            wait_for_api_server(client, 30, interval=0.1)
+    finally:
+        api_server.close()
+    assert api_server.paths == ["/apis"] * 3
+    assert [r.getMessage().split(" (")[1].split(")")[0] for r in caplog.records] == ["503 ServiceUnavailable"] * 2
 
 
 def test_exclusive_scopes() -> None:
