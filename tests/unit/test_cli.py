@@ -274,6 +274,19 @@ def test_no_command_prints_the_whole_help(capsys):
     assert "daedalus run examples/local-tiny.yaml" in out and "validate" in out and "operator" in out
 
 
+def test_help_states_the_exit_codes_the_commands_return(tmp_path, capsys):
+    """The epilog's codes are the ones returned: 0 for a valid file, 1 for an invalid one, 2 for bad input."""
+    cli.main([])
+    out = capsys.readouterr().out
+    assert "exit status:" in out and "\n  1    `validate` found an invalid job" in out and "\n  130  interrupted" in out
+    invalid = _write(tmp_path, "apiVersion: daedalus.dev/v1alpha1\nkind: RLTrainingJob\nmetadata: {name: a}\n"
+                               "spec: {environment: {size: 8}}\n")
+    assert cli.main(["validate", EXAMPLE]) == 0
+    assert cli.main(["validate", str(invalid)]) == 1
+    assert cli.main(["run", str(invalid)]) == 2
+    assert "spec.environment.size" in capsys.readouterr().err
+
+
 def test_start_fingerprint_follows_weights_and_evaluation_settings(tmp_path, monkeypatch):
     model = tmp_path / "model"
     model.mkdir()

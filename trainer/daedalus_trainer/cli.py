@@ -205,9 +205,17 @@ def _port_option(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}{source}") from None
 
 
+#: ``daedalus --help``'s epilog: what the exit codes mean (the operator's own are in ``daedalus operator --help``).
+EXIT_STATUS = """exit status:
+  0    done (a training run also when stopped on request: the operator resumes it)
+  1    `validate` found an invalid job; or an unexpected failure, printed with its traceback
+  2    bad arguments or input (spec, file, checkpoint, port): one line says which, before any work
+  130  interrupted (Ctrl-C): run the same command again to resume"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand (also used by tests and `--help`)."""
-    p = argparse.ArgumentParser(prog="daedalus", description=DESCRIPTION,
+    p = argparse.ArgumentParser(prog="daedalus", description=DESCRIPTION, epilog=EXIT_STATUS,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"daedalus {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
