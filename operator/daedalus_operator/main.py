@@ -6,7 +6,7 @@ is active, the others pause) or ``--standalone`` (the default: no peering object
 (kopf's endpoint, e.g. ``http://0.0.0.0:8080/healthz``; fails when the API server stopped answering). Metrics:
 ``--metrics-port`` (default 9090; 0 disables). Watches: ``--watch-timeout SECONDS`` (server-side watch timeout; a
 stream silent for longer is restarted). Start: ``--api-wait SECONDS`` (how long to wait for the API server to answer
-before exiting with one line; default 60).
+before exiting with one line; default 30, inside the chart's liveness-probe window).
 
 :func:`run` is the same with a stop flag and a ready flag, for tests that run the operator in a thread.
 """
@@ -147,11 +147,28 @@ def _entrypoint(text: str) -> str:
     return text
 
 
+#: ``--api-wait``'s default (seconds): with the last try's request timeout, shorter than the chart's liveness probe
+#: takes to restart the container (the third failed probe: 10 s initial delay + 2 x 20 s = 50 s), so that the
+#: operator's own one-line reason is logged first (tests/charts/test_chart.py checks the two against each other).
+API_WAIT_SECONDS = 30.0
+
+#: ``--help``'s epilog: what the exit codes mean.
+EXIT_STATUS = """exit status:
+  0  stopped by a signal (SIGTERM, Ctrl-C)
+  1  the kubeconfig cannot be loaded, --metrics-port cannot be bound, or the API server does not answer within
+     --api-wait seconds or refuses the credentials: one line says which
+  2  a bad flag value (argparse)"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Flag defaults in the help, and the description and epilog as written (the epilog is a table)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The operator's argument parser. Every flag's value is checked here: a bad one is an argparse error (the usage,
     one ``daedalus operator: error: argument --FLAG: ...`` line, exit code 2) before any Kubernetes or network work."""
-    p = argparse.ArgumentParser(prog="daedalus operator", description=DESCRIPTION,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="daedalus operator", description=DESCRIPTION, epilog=EXIT_STATUS,
+                                formatter_class=_HelpFormatter)
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
                        help="serve this namespace (repeatable; kopf globs allowed)")
@@ -208,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-namespace", action="append", default=[], metavar="NS",
                    help="namespace allowed to scrape the trainer's port (e.g. monitoring; repeatable)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster or $KUBECONFIG)")
-    p.add_argument("--api-wait", type=_number("seconds", positive=False, zero="0: one try"), default=60.0,
+    p.add_argument("--api-wait", type=_number("seconds", positive=False, zero="0: one try"), default=API_WAIT_SECONDS,
                    metavar="SECONDS",
                    help="at start, seconds to wait for the API server to answer before exiting with one line "
                         "(>= 0; 0: one try); wrong credentials exit at once")

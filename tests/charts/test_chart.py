@@ -268,6 +268,22 @@ def test_deployment_args_follow_values(rendered: dict[str, list[dict[str, Any]]]
     assert sa["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"}
 
 
+def test_api_wait_ends_inside_the_liveness_probe_window(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """An unreachable API server: the operator gives up after --api-wait seconds and logs why. That must happen before
+    the kubelet, probing /healthz (served only once kopf runs), restarts the container, or the reason is never
+    logged. The kubelet restarts it at the failure threshold's probe: initial delay + (threshold - 1) x period; the
+    operator's last try can add one API request timeout (2 x --request-timeout)."""
+    from daedalus_operator import main
+    dep = one(rendered["defaults"], "Deployment")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    probe = container["livenessProbe"]
+    restart_after = probe["initialDelaySeconds"] + (probe["failureThreshold"] - 1) * probe["periodSeconds"]
+    assert restart_after == 50  # 10 + 2 x 20 s with the chart's defaults
+    args = main.build_parser().parse_args(container["args"])
+    assert args.api_wait == main.API_WAIT_SECONDS == 30.0
+    assert args.api_wait + 2 * args.request_timeout < restart_after
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_deployment_args_parse_with_the_operator_cli(rendered: dict[str, list[dict[str, Any]]], variant: str) -> None:
     """The rendered command line is accepted by the operator's own argument parser and means what the values say;

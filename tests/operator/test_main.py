@@ -58,6 +58,8 @@ def test_arguments_become_settings() -> None:
     (["--deletion-timeout", "-0.5"], "argument --deletion-timeout: must be >= 0 seconds (0: after one try), got -0.5"),
     (["--liveness-stale", "-1"], "argument --liveness-stale: must be >= 0 seconds"),
     (["--liveness-stale", "nan"], "argument --liveness-stale: must be a finite number of seconds >= 0"),
+    (["--api-wait", "-1"], "argument --api-wait: must be >= 0 seconds (0: one try), got -1"),
+    (["--api-wait", "later"], "argument --api-wait: must be a finite number of seconds >= 0"),
     (["--watch-timeout", "-5"], "argument --watch-timeout: must be >= 0 seconds (0: kopf's defaults), got -5"),
     (["--watch-timeout", "1.5"], "argument --watch-timeout: must be a whole number of seconds >= 0"),
     (["--metrics-port", "99999"], "argument --metrics-port: must be a port number 0-65535 (0: off), got 99999"),
@@ -86,11 +88,13 @@ def test_bounds_that_mean_something_are_accepted() -> None:
     the probe at the first unanswered call) and the ends of the port range."""
     args = build_parser().parse_args(["--metrics-port", "0", "--watch-timeout", "0", "--unreachable-grace", "0",
                                       "--deletion-timeout", "0", "--liveness-stale", "0", "--control-port", "65535",
-                                      "--liveness", "http://[::]:1/healthz", "--poll-interval", "0.01"])
+                                      "--liveness", "http://[::]:1/healthz", "--poll-interval", "0.01",
+                                      "--api-wait", "0"])
     s = settings_from_args(args)
     assert (args.metrics_port, s.watch_timeout, s.unreachable_grace, s.deletion_timeout, s.liveness_stale,
             s.control_port, s.poll_interval) == (0, 0, 0.0, 0.0, 0.0, 65535, 0.01)
     assert build_parser().parse_args(["--control-port", "1", "--metrics-port", "65535"]).control_port == 1
+    assert args.api_wait == 0.0 and build_parser().parse_args([]).api_wait == 30.0
 
 
 def _operator(*argv: str) -> subprocess.CompletedProcess[str]:

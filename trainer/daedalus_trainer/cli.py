@@ -205,7 +205,7 @@ def _port_option(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}{source}") from None
 
 
-#: ``daedalus --help``'s epilog: what the exit codes mean (the operator's own are in ``daedalus operator --help``).
+#: ``daedalus --help``'s epilog: what the exit codes mean (the operator's own are in ``daedalus operator --help``'s).
 EXIT_STATUS = """exit status:
   0    done (a training run also when stopped on request: the operator resumes it)
   1    `validate` found an invalid job; or an unexpected failure, printed with its traceback
