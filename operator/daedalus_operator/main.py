@@ -161,7 +161,13 @@ EXIT_STATUS = """exit status:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Flag defaults in the help, and the description and epilog as written (the epilog is a table)."""
+    """Flag defaults in the help (only those that say something: not None, False or an empty list), and the
+    description and epilog as written (the epilog is a table)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, []):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -285,6 +291,8 @@ def check_kube_config(kubeconfig: str | None) -> Any:
     where = kubeconfig or os.environ.get("KUBECONFIG") or (
         "the in-cluster service account" if _in_cluster() else "~/.kube/config")
     prefix = f"daedalus operator: cannot load the Kubernetes client configuration from {where}"
+    if kubeconfig and not os.path.exists(kubeconfig):  # the client would say "No configuration found."
+        raise SystemExit(f"{prefix}: no such file")
     try:
         return api_client_from_environment(kubeconfig)
     except (kubernetes.config.ConfigException, OSError, ValueError) as e:

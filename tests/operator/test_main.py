@@ -122,6 +122,9 @@ def test_unloadable_kubeconfig_exits_at_once_with_one_line(tmp_path: Path) -> No
         assert out.returncode == 1, out.stderr
         assert f"cannot load the Kubernetes client configuration from {path}" in out.stderr
         assert "Traceback" not in out.stderr
+    assert _operator("--metrics-port", "0", "--kubeconfig", str(tmp_path / "missing.yaml")).stderr == (
+        f"daedalus operator: cannot load the Kubernetes client configuration from {tmp_path / 'missing.yaml'}: "
+        f"no such file\n")
 
 
 def test_malformed_kubeconfig_exits_with_one_line(tmp_path: Path) -> None:
@@ -270,6 +273,11 @@ def _help(cmd: list[str]) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--all-namespaces" in out.stdout and "--peering" in out.stdout and "--watch-timeout" in out.stdout
+    # defaults that say something are shown; None / False / [] are not ("-A ... (default: False)" read as a contradiction)
+    assert "(default: 30.0)" in out.stdout and "(default: daedalus-system)" in " ".join(out.stdout.split())
+    assert "(default: None)" not in out.stdout and "(default: False)" not in out.stdout
+    assert "(default: [])" not in out.stdout
+    assert "exit status:" in out.stdout
 
 
 def test_python_m_daedalus_operator_help() -> None:

@@ -274,11 +274,20 @@ def test_no_command_prints_the_whole_help(capsys):
     assert "daedalus run examples/local-tiny.yaml" in out and "validate" in out and "operator" in out
 
 
+def test_a_missing_job_file_is_one_plain_line(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    assert cli.main(["eval", str(missing), "--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: {missing}: no such file or directory\n"
+    assert cli.main(["validate", str(missing)]) == 1  # validate lists it among the files it could not accept
+    assert f"{missing}: no such file" in capsys.readouterr().out
+
+
 def test_help_states_the_exit_codes_the_commands_return(tmp_path, capsys):
     """The epilog's codes are the ones returned: 0 for a valid file, 1 for an invalid one, 2 for bad input."""
     cli.main([])
     out = capsys.readouterr().out
-    assert "exit status:" in out and "\n  1    `validate` found an invalid job" in out and "\n  130  interrupted" in out
+    assert "exit status:" in out and "\n  1    `validate`: a job file is invalid or missing" in out
+    assert "\n  130  interrupted" in out and "`daedalus operator --help` lists the operator's own" in out
     invalid = _write(tmp_path, "apiVersion: daedalus.dev/v1alpha1\nkind: RLTrainingJob\nmetadata: {name: a}\n"
                                "spec: {environment: {size: 8}}\n")
     assert cli.main(["validate", EXAMPLE]) == 0

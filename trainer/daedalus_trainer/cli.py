@@ -208,9 +208,12 @@ def _port_option(text: str) -> int:
 #: ``daedalus --help``'s epilog: what the exit codes mean (the operator's own are in ``daedalus operator --help``'s).
 EXIT_STATUS = """exit status:
   0    done (a training run also when stopped on request: the operator resumes it)
-  1    `validate` found an invalid job; or an unexpected failure, printed with its traceback
-  2    bad arguments or input (spec, file, checkpoint, port): one line says which, before any work
-  130  interrupted (Ctrl-C): run the same command again to resume"""
+  1    `validate`: a job file is invalid or missing (each error listed); any command: an unexpected
+       failure, printed with its traceback
+  2    bad arguments (any command); run/train/sft/eval/maze: bad input (spec, file, checkpoint,
+       port): one line says which, before any work
+  130  interrupted (Ctrl-C): run the same command again to resume
+`daedalus operator --help` lists the operator's own."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -343,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             pass
         if isinstance(exc, user_errors):
-            print(f"error: {exc}", file=sys.stderr)
+            if isinstance(exc, FileNotFoundError) and exc.filename:  # not "[Errno 2] No such file or directory: ..."
+                print(f"error: {exc.filename}: no such file or directory", file=sys.stderr)
+            else:
+                print(f"error: {exc}", file=sys.stderr)
             return 2
         raise
 
