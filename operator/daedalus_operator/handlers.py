@@ -151,19 +151,26 @@ class PollGate:
     versions: frozenset = frozenset()
     at: float = 0.0
 
+    def wake(self, version: str | None, fingerprint: Any, now: float, interval: float, tick: float,
+             idle: float = IDLE_RESYNC_SECONDS) -> str | None:
+        """Why a timer tick at ``now`` (monotonic seconds) should reconcile, or ``None`` when it should not:
+        ``"active"`` (the job is not quiet), what changed (:meth:`changed`), or ``"interval"`` (its interval is over).
+        ``interval``: the steady interval for quiet jobs (seconds); ``tick``: the timer's interval (seconds), half of
+        which is tolerated as jitter so that a tick a few milliseconds early does not wait a whole extra tick;
+        ``idle``: the resync interval of a quiet job that is not budgeted (seconds; never shorter than
+        ``interval``)."""
+        if not self.quiet:
+            return "active"
+        reason = self.changed(version, fingerprint)
+        if reason is not None:
+            return reason
+        wait = interval if self.budgeted else max(interval, idle)
+        return "interval" if now - self.at >= wait - tick / 2 else None
+
     def due(self, version: str | None, fingerprint: Any, now: float, interval: float, tick: float,
             idle: float = IDLE_RESYNC_SECONDS) -> bool:
-        """Whether a timer tick at ``now`` (monotonic seconds) should reconcile. ``interval``: the steady interval
-        for quiet jobs (seconds); ``tick``: the timer's interval (seconds), half of which is tolerated as jitter so
-        that a tick a few milliseconds early does not wait a whole extra tick; ``idle``: the resync interval of a
-        quiet job that is not budgeted (seconds; never shorter than ``interval``)."""
-        return not self.quiet or self.changed(version, fingerprint) is not None or self.waited(now, interval, tick,
-                                                                                             idle)
-
-    def waited(self, now: float, interval: float, tick: float, idle: float = IDLE_RESYNC_SECONDS) -> bool:
-        """Whether this quiet job's interval is over at ``now`` (the time part of :meth:`due`, same arguments)."""
-        wait = interval if self.budgeted else max(interval, idle)
-        return now - self.at >= wait - tick / 2
+        """Whether a timer tick at ``now`` should reconcile: :meth:`wake` is not ``None`` (same arguments)."""
+        return self.wake(version, fingerprint, now, interval, tick, idle) is not None
 
     def changed(self, version: str | None, fingerprint: Any) -> str | None:
         """What the job depends on that changed since the reconcile that made this gate, the first difference found
@@ -300,7 +307,7 @@ class Runtime:
 
     def should_poll(self, body: dict[str, Any], indexes: dict[str, Any], logger: Any = None) -> bool:
         """Whether the poll timer's tick for the job ``body`` (kopf's latest copy) reconciles it now
-        (:meth:`PollGate.due`; always with ``poll_budget`` 0); a tick that does not is counted in
+        (:meth:`PollGate.wake`; always with ``poll_budget`` 0); a tick that does not is counted in
         ``daedalus_operator_poll_skips_total``. A quiet job woken because something it depends on changed is counted
         in ``daedalus_operator_poll_wakes_total`` by :meth:`PollGate.changed`, and ``logger`` (kopf's per-object
         logger; ``None``: this module's) says at debug level what changed.
@@ -317,18 +324,15 @@ class Runtime:
             return True
         version = meta.get("resourceVersion")
         fingerprint = dependency_fingerprint(meta["namespace"], meta["name"], indexes)
-        reason = gate.changed(version, fingerprint)
-        if reason is not None:
+        reason = gate.wake(version, fingerprint, time.monotonic(), self.steady_interval(),
+                           self.settings.poll_interval, self.settings.idle_resync)
+        if reason in WAKE_REASONS:
             self.metrics.poll_wakes.labels(reason=reason).inc()
             (logger or log).debug("quiet job woken: its %s changed since the last reconcile",
                                   "body" if reason == "job" else reason)
-            return True
-        # nothing it depends on changed (checked once, above): only its interval can make it due
-        due = gate.waited(time.monotonic(), self.steady_interval(), self.settings.poll_interval,
-                          self.settings.idle_resync)
-        if not due:
+        elif reason is None:
             self.metrics.poll_skips.inc()
-        return due
+        return reason is not None
 
     def ray_jobs(self, url: str) -> RayJobs:
         """The :class:`RayJobs` client of the dashboard at ``url``, cached per URL (created on first use, with

@@ -314,13 +314,13 @@ def _no_answer_reason(e: kube.KubeError) -> str:
     return e.reason
 
 
-def wait_for_api_server(client: Any, wait: float, *, timeout: float = 5.0, interval: float = 2.0,
+def wait_for_api_server(api_: kube.KubeAPI, wait: float, *, interval: float = 2.0,
                         log: logging.Logger | None = None) -> None:
     """Ask the API server for its API groups (``GET /apis``, what kopf's first request is too) until it answers,
     for at most ``wait`` seconds (0: one try), so that an unreachable server or refused credentials give one line
     instead of kopf's minute of retries and its aiohttp tracebacks.
 
-    A request that gets no answer (connection refused, DNS, TLS, ``timeout`` seconds without a reply) or a 5xx is
+    A request that gets no answer (connection refused, DNS, TLS, ``api_.timeout`` seconds without a reply) or a 5xx is
     retried every ``interval`` seconds and logged once per attempt; 401 and 403 are final at once (waiting does not
     mend credentials or RBAC).
 
@@ -328,8 +328,7 @@ def wait_for_api_server(client: Any, wait: float, *, timeout: float = 5.0, inter
         SystemExit: one line naming the server and why (code 1).
     """
     log = log or logging.getLogger("daedalus_operator")
-    api_ = kube.KubeAPI(client, timeout=timeout)
-    server = client.configuration.host
+    server = api_.client.configuration.host
     deadline = time.monotonic() + wait
     attempt = 0
     while True:
@@ -391,13 +390,14 @@ def run(argv: list[str], *, stop_flag: threading.Event | None = None, ready_flag
     metrics = metrics or OperatorMetrics()
     if args.metrics_port:
         serve_metrics(metrics, args.metrics_port)
+    # the startup handler keeps this client (it builds one only when none is given), so the kubeconfig is read once
+    kube_api = kube.KubeAPI(client, timeout=settings.request_timeout * 2)
     try:
-        wait_for_api_server(client, args.api_wait, timeout=settings.request_timeout * 2)
+        wait_for_api_server(kube_api, args.api_wait)
     except SystemExit:
         metrics.shutdown()
         raise
-    # the startup handler keeps this client (it builds one only when none is given), so the kubeconfig is read once
-    rt = Runtime(settings=settings, metrics=metrics, kube=kube.KubeAPI(client, timeout=settings.request_timeout * 2))
+    rt = Runtime(settings=settings, metrics=metrics, kube=kube_api)
     registry = kopf.OperatorRegistry()
     register(registry, rt)
     namespaces = tuple(args.namespace)

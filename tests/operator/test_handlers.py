@@ -137,6 +137,12 @@ def test_poll_gate_due() -> None:
     assert not idle.due("6", fp, now=160.0, interval=90.0, tick=2.0, idle=60.0)
     assert PollGate(quiet=False, fingerprint=fp, versions=frozenset({"6"}), at=100.0).due(
         "6", fp, now=100.1, interval=10.0, tick=2.0)
+    # why (what Runtime.should_poll counts): the first change found, else the interval, else nothing
+    assert gate.wake("6", fp, now=101.0, interval=10.0, tick=2.0) is None
+    assert gate.wake("6", fp, now=109.0, interval=10.0, tick=2.0) == "interval"
+    assert gate.wake("7", ("pods", "other nodes"), now=109.0, interval=10.0, tick=2.0) == "job"
+    assert gate.wake("6", ("pods", "other nodes"), now=101.0, interval=10.0, tick=2.0) == "nodes"
+    assert PollGate(quiet=False).wake("6", fp, now=0.0, interval=10.0, tick=2.0) == "active"
 
 
 def test_poll_gate_says_what_changed() -> None:

@@ -19,7 +19,7 @@ from operator_env import OperatorEnv
 from prometheus_client import generate_latest
 
 from daedalus_operator import api
-from daedalus_operator.kube import api_client_from_environment
+from daedalus_operator.kube import KubeAPI, api_client_from_environment
 from daedalus_operator.main import build_parser, settings_from_args, wait_for_api_server
 from daedalus_operator.metrics import OperatorMetrics
 
@@ -255,7 +255,7 @@ def test_wait_for_api_server_waits_out_an_unavailable_server(tmp_path: Path,
     try:
         client = api_client_from_environment(str(_kubeconfig(tmp_path, api_server.url)))
         with caplog.at_level(logging.WARNING):
-            wait_for_api_server(client, 30, interval=0.1)
+            wait_for_api_server(KubeAPI(client), 30, interval=0.1)
     finally:
         api_server.close()
     assert api_server.paths == ["/apis"] * 3

@@ -490,7 +490,13 @@ def _fsync_path(path: Path, *, directory: bool = False) -> None:
         os.close(fd)
 
 
-def _sha256_and_size(path: Path, *, fsync: bool = False) -> tuple[str, int]:
+def sha256_and_size(path: Path, *, fsync: bool = False) -> tuple[str, int]:
+    """``(sha256 hex digest, size in bytes)`` of the file at ``path``, read in chunks (a checkpoint's optimizer state
+    can be gigabytes); ``fsync``: also flush it to the device (a checkpoint's files before the rename).
+
+    Raises:
+        OSError: the file cannot be read (or flushed).
+    """
     h = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:
@@ -611,7 +617,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[ManifestProblem]:
     # and the optimizer state (the two large files) in about the time of the larger one.
     workers = max(1, min(len(to_hash), os.cpu_count() or 1, _HASH_THREADS))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256") as pool:
-        digests = list(pool.map(lambda item: _sha256_and_size(item[1])[0], to_hash))
+        digests = list(pool.map(lambda item: sha256_and_size(item[1])[0], to_hash))
     for (rel, fpath, sha), actual_sha in zip(to_hash, digests):
         if actual_sha != sha:
             problems.append(ManifestProblem(rel, "sha256 mismatch", f"{actual_sha} on disk, manifest says {sha}"))
@@ -868,7 +874,7 @@ class CheckpointManager:
             files = []
             total = 0
             for fpath in _files_under(tmp):
-                sha, size = _sha256_and_size(fpath, fsync=True)
+                sha, size = sha256_and_size(fpath, fsync=True)
                 files.append({"path": fpath.relative_to(tmp).as_posix(), "bytes": size, "sha256": sha})
                 total += size
             manifest = {"format": FORMAT, "step": step, "time": time.time(), "created": _utc_now_iso(),
@@ -1043,7 +1049,7 @@ def export_adapter(ckpt: CheckpointRef, dest: str | os.PathLike[str]) -> Path:
             target = tmp / Path(rel).relative_to(ADAPTER_DIR)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src / rel, target)
-            sha, size = _sha256_and_size(target, fsync=True)
+            sha, size = sha256_and_size(target, fsync=True)
             if sha != entry["sha256"] or size != int(entry["bytes"]):
                 raise CheckpointError(f"copy of {src / rel} to {target} does not match the manifest")
         for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: len(p.parts), reverse=True):

@@ -12,8 +12,9 @@ Stages, each resumable (run the command again after an interrupt and it continue
    metrics and control on http://127.0.0.1:<port>/metrics.
 4. Evaluation of the trained adapter (the same two sets; cached in ``eval-after.json`` and
    ``eval-after-training.json`` while the adapter's content is the same, so a rerun of a finished run evaluates
-   nothing again and keeps the report's timings), then a before/after table, ``report.json`` and ``curves.png``. The held-out columns are the result; the training-layout column shows what training learned on
-   the layouts it trained on, so a gain there without one on held-out layouts reads as memorisation.
+   nothing again and keeps the report's timings), then a before/after table, ``report.json`` and ``curves.png``.
+   The held-out columns are the result; the training-layout column shows what training learned on the layouts it
+   trained on, so a gain there without one on held-out layouts reads as memorisation.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def start_fingerprint(job, model_path: str, adapter_path: str | None) -> str:
     (megabytes) by content, because every finished run exports it again, byte for byte the same."""
     import hashlib
 
+    from daedalus_trainer.checkpoint import sha256_and_size
+
     files = []
     for role, d in (("model", model_path), ("adapter", adapter_path)):
         if d:
@@ -78,7 +81,7 @@ def start_fingerprint(job, model_path: str, adapter_path: str | None) -> str:
                     st = f.stat()
                     # the name, not the path: the same run continued from another working directory is the same start
                     if role == "adapter":
-                        files.append([role, f.name, hashlib.sha256(f.read_bytes()).hexdigest()])
+                        files.append([role, f.name, sha256_and_size(f)[0]])
                     else:
                         files.append([role, f.name, st.st_size, st.st_mtime_ns])
     algo = job.spec.algorithm
