@@ -201,6 +201,21 @@ def test_sft_says_when_its_time_budget_ends_it_before_its_steps(tmp_path, caplog
     assert 0 < report["steps"] < 100000 and report["settings"]["steps"] == 100000
     warned = [r.getMessage() for r in caplog.records if "time budget" in r.getMessage()]
     assert len(warned) == 1 and f"after {report['steps']} of 100000 steps" in warned[0], warned
+    # daedalus run turns the log line off and prints its own summary from the report: the reason appears once
+    from rich.console import Console
+
+    from daedalus_trainer.local import _print_sft_summary
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="daedalus.sft"):
+        sft.run_sft(job, tmp_path / "quiet", resume=False, progress=False, final_eval=False, accuracy_turns=4,
+                    warn_budget=False)
+    assert not [r for r in caplog.records if "time budget" in r.getMessage()]
+    quiet = json.loads((tmp_path / "quiet" / sft.REPORT_NAME).read_text())
+    console = Console(record=True, width=400)
+    _print_sft_summary(console, tmp_path / "quiet" / sft.REPORT_NAME)
+    line = console.export_text().strip()
+    assert line.startswith(f"SFT: {quiet['steps']} of 100000 steps in ") and line.count("sft.maxSeconds (2 s)") == 1
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="daedalus.sft"):
         sft.run_sft(_short_job(None, 2), tmp_path / "steps", resume=False, progress=False, final_eval=False,

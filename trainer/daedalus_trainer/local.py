@@ -188,7 +188,8 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         dagger = job.spec.sft.on_policy_fraction > 0
         console.rule("SFT on solver demonstrations" + (" and solver-labelled own states (DAgger)" if dagger else ""))
         # the evaluation right after replaces SFT's own final one
-        start_dir = str(sft.run_sft(job, run_dir / "sft", resume=resume != "none", final_eval=False))
+        start_dir = str(sft.run_sft(job, run_dir / "sft", resume=resume != "none", final_eval=False,
+                                     warn_budget=False))  # _print_sft_summary says it, once
         _print_sft_summary(console, run_dir / "sft" / sft.REPORT_NAME)
     work_dir = run_dir
     # What evaluation loads: a full SFT model (tiny) with GRPO's fresh adapter on top, or the base model with the SFT

@@ -488,6 +488,7 @@ def run_sft(
     accuracy_turns: int = ACCURACY_TURNS,
     on_step: Callable[[SFTState], None] | None = None,
     snapshot_seconds: Sequence[float] = (),
+    warn_budget: bool = True,
 ) -> Path:
     """Run SFT for ``job`` (an ``RLTrainingJob``) into ``out_dir``; return the saved model (tiny) or adapter dir.
 
@@ -505,7 +506,9 @@ def run_sft(
     ``on_step`` (called with the state after every optimizer step, e.g. for metrics; a ``KeyboardInterrupt`` raised
     there is handled like Ctrl-C: checkpoint, then re-raise), ``snapshot_seconds`` (training seconds at which the
     current weights are also written to ``<out>/snapshots/<seconds>s/``, a PEFT adapter or a full model; the writing
-    time is not counted in the budget; ``bench/grpo_vs_sft.py`` evaluates them as a learning curve).
+    time is not counted in the budget; ``bench/grpo_vs_sft.py`` evaluates them as a learning curve), ``warn_budget``
+    (log a warning when ``sft.maxSeconds`` ends the run before ``sft.steps``; ``daedalus run`` turns it off and says it
+    in its own summary line, read from the report).
 
     Raises:
         daedalus_trainer.layouts.LayoutError: the evaluation set leaves too few training layouts.
@@ -653,7 +656,7 @@ def run_sft(
         prefetch.shutdown(wait=True, cancel_futures=True)
     bar.close()
     save_checkpoint(out_dir, policy, optimizer, state)
-    if state.step < max_steps:
+    if warn_budget and state.step < max_steps:
         log.warning("SFT stopped at its time budget (sft.maxSeconds %.0f s) after %d of %d steps (%.1f steps/s): "
                     "the starting point then depends on this machine's speed, and runs are not reproducible step "
                     "for step; raise sft.maxSeconds (0: no time budget) for the full %d steps", max_seconds,
