@@ -34,7 +34,9 @@ NETWORKPOLICIES = "networking.k8s.io/v1/networkpolicies"
 
 
 class KubeError(RuntimeError):
-    """An API call failed: ``status`` is the HTTP status (0: no answer), ``reason`` the Status reason."""
+    """An API call failed: ``status`` is the HTTP status (0: no answer), ``reason`` the Status reason, or with no
+    answer the innermost cause (``Connection refused``, ``Name or service not known``, ``timed out``; see
+    :func:`no_answer_reason`)."""
 
     def __init__(self, status: int, reason: str, message: str):
         super().__init__(f"{status} {reason}: {message}")
@@ -49,6 +51,27 @@ class KubeError(RuntimeError):
     @property
     def conflict(self) -> bool:
         return self.status == 409
+
+
+def no_answer_reason(exc: BaseException) -> str:
+    """Why a request got no answer, in a few words: the innermost ``OSError``'s text (``Connection refused`` from
+    urllib3's ``NewConnectionError`` raised while handling ``ConnectionRefusedError``), ``timed out`` for a read or
+    connect timeout, else the exception's class name. Follows ``reason`` (urllib3's ``MaxRetryError``),
+    ``__cause__`` and ``__context__``."""
+    seen: set[int] = set()
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        nxt = getattr(e, "reason", None)
+        e = nxt if isinstance(nxt, BaseException) else (e.__cause__ or e.__context__)
+    for e in reversed(chain):
+        if isinstance(e, OSError) and e.strerror:
+            return e.strerror
+    if any(isinstance(e, TimeoutError) or "timeout" in type(e).__name__.lower() for e in chain):
+        return "timed out"
+    return type(exc).__name__
 
 
 def resource_path(key: str, namespace: str | None = None, name: str | None = None, sub: str | None = None) -> str:
@@ -97,7 +120,7 @@ class KubeAPI:
         except ApiException as exc:
             raise KubeError(exc.status or 0, exc.reason or "Error", str(exc.body or exc)) from None
         except Exception as exc:  # urllib3 connection/timeout errors
-            raise KubeError(0, type(exc).__name__, str(exc)) from None
+            raise KubeError(0, no_answer_reason(exc), str(exc)) from None
         text = resp.data.decode() if resp.data else ""
         try:
             doc = json.loads(text) if text else None

@@ -18,7 +18,6 @@ import errno
 import logging
 import math
 import os
-import re
 import shlex
 import threading
 import time
@@ -291,8 +290,10 @@ def check_kube_config(kubeconfig: str | None) -> Any:
     where = kubeconfig or os.environ.get("KUBECONFIG") or (
         "the in-cluster service account" if _in_cluster() else "~/.kube/config")
     prefix = f"daedalus operator: cannot load the Kubernetes client configuration from {where}"
-    if kubeconfig and not os.path.exists(kubeconfig):  # the client would say "No configuration found."
-        raise SystemExit(f"{prefix}: no such file")
+    # the client would say "No configuration found."; $KUBECONFIG may list several files (it skips missing ones)
+    named = [kubeconfig] if kubeconfig else [p for p in os.environ.get("KUBECONFIG", "").split(os.pathsep) if p]
+    if named and not any(os.path.exists(os.path.expanduser(p)) for p in named):
+        raise SystemExit(f"{prefix}: no such file" + ("" if len(named) == 1 else "s"))
     try:
         return api_client_from_environment(kubeconfig)
     except (kubernetes.config.ConfigException, OSError, ValueError) as e:
@@ -301,17 +302,6 @@ def check_kube_config(kubeconfig: str | None) -> Any:
         raise SystemExit(f"{prefix}: {_yaml_problem(e)}") from None
     except (TypeError, AttributeError) as e:  # valid YAML, but a list or a string where the client expects a mapping
         raise SystemExit(f"{prefix}: not a kubeconfig (a mapping with clusters, contexts and users): {e}") from None
-
-
-def _no_answer_reason(e: kube.KubeError) -> str:
-    """The innermost cause of a failed connection, e.g. ``Connection refused`` from urllib3's ``MaxRetryError(...
-    NewConnectionError(... [Errno 111] Connection refused))``, or the exception's name when it names none."""
-    found = re.findall(r"\[Errno -?\d+\] ([^'\")\]]+)", e.message)
-    if found:
-        return found[-1].strip()
-    if "timed out" in e.message.lower():
-        return "timed out"
-    return e.reason
 
 
 def wait_for_api_server(api_: kube.KubeAPI, wait: float, *, interval: float = 2.0,
@@ -342,7 +332,7 @@ def wait_for_api_server(api_: kube.KubeAPI, wait: float, *, interval: float = 2.
                 raise SystemExit(f"daedalus operator: the Kubernetes API server at {server} {what} ({e.status} "
                                  f"{e.reason}): check the kubeconfig's user or the service account and its RBAC"
                                  ) from None
-            why = _no_answer_reason(e) if e.status == 0 else f"{e.status} {e.reason}"
+            why = e.reason if e.status == 0 else f"{e.status} {e.reason}"
             if e.status not in (0, 500, 502, 503, 504) or time.monotonic() + interval > deadline:
                 waited = f" after {attempt} tries in {wait:g} s (--api-wait)" if attempt > 1 else ""
                 raise SystemExit(f"daedalus operator: cannot reach the Kubernetes API server at {server}{waited}: "

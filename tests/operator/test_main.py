@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from operator_env import OperatorEnv
 from prometheus_client import generate_latest
 
 from daedalus_operator import api
-from daedalus_operator.kube import KubeAPI, api_client_from_environment
+from daedalus_operator.kube import KubeAPI, KubeError, api_client_from_environment
 from daedalus_operator.main import build_parser, settings_from_args, wait_for_api_server
 from daedalus_operator.metrics import OperatorMetrics
 
@@ -260,6 +261,41 @@ def test_wait_for_api_server_waits_out_an_unavailable_server(tmp_path: Path,
         api_server.close()
     assert api_server.paths == ["/apis"] * 3
     assert [r.getMessage().split(" (")[1].split(")")[0] for r in caplog.records] == ["503 ServiceUnavailable"] * 2
+
+
+def test_kube_error_names_why_a_request_got_no_answer(tmp_path: Path) -> None:
+    """KubeError.reason with no answer (status 0) is the innermost cause in a few words, for conditions, logs and
+    the startup line: refused, unknown host, or a server that accepts and never replies (read timeout)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    cases = {f"http://127.0.0.1:{_closed_port()}": "Connection refused",
+             "http://no-such-host.invalid": None,  # the resolver's words differ between libcs
+             f"http://127.0.0.1:{silent.getsockname()[1]}": "timed out"}
+    try:
+        for i, (server, reason) in enumerate(cases.items()):
+            (tmp_path / str(i)).mkdir()
+            client = api_client_from_environment(str(_kubeconfig(tmp_path / str(i), server)))
+            with pytest.raises(KubeError) as err:
+                KubeAPI(client, timeout=0.5).api_groups()
+            assert err.value.status == 0, server
+            if reason is None:
+                assert err.value.reason not in ("", "NewConnectionError", "MaxRetryError"), err.value.reason
+                assert " " in err.value.reason, err.value.reason  # words, e.g. "Name or service not known"
+            else:
+                assert err.value.reason == reason, (server, err.value.reason)
+    finally:
+        silent.close()
+
+
+def test_kubeconfig_env_naming_a_missing_file_exits_with_one_line(tmp_path: Path) -> None:
+    """$KUBECONFIG naming no file gets the same one line as --kubeconfig (the client said 'No configuration found.')."""
+    missing = tmp_path / "gone.yaml"
+    out = subprocess.run([sys.executable, "-m", "daedalus_operator", "--metrics-port", "0"], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "KUBECONFIG": str(missing)})
+    assert out.returncode == 1, out.stderr
+    assert out.stderr == (f"daedalus operator: cannot load the Kubernetes client configuration from {missing}: "
+                          f"no such file\n"), out.stderr
 
 
 def test_exclusive_scopes() -> None:
