@@ -369,9 +369,9 @@ def _report(job, before: dict, after: dict, result, wall: float, training: tuple
 def _plot_curves(history: list[dict], out: Path, before: dict, after: dict, training: tuple[dict, dict],
                  mazes: int) -> Path:
     """PNG of rollout success (each step and its 8-step mean) and reward, turns per episode, and the groups of
-    ``mazes`` per step whose rewards differ (the ones GRPO learns from), with greedy success before/after on the
-    held-out layouts and (``training``: the before/after evaluations there) on the training layouts as horizontal
-    lines."""
+    ``mazes`` per step whose rewards differ (the ones GRPO learns from), with greedy success on the held-out
+    layouts (``before``/``after``) and on the training layouts (``training``: the evaluations there) as points at
+    step 0 (the SFT start) and at the last step, values written beside them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -388,12 +388,18 @@ def _plot_curves(history: list[dict], out: Path, before: dict, after: dict, trai
     rewards = [h["reward_mean"] for h in history]
     if any(abs(r - x) > 1e-9 for r, x in zip(rewards, success)):  # with the sparse 0/1 reward they are the same line
         axes[0].plot(steps, rewards, "--", color="tab:gray", lw=0.8, label="reward mean")
-    axes[0].axhline(_greedy(before)["success_rate"], color="gray", lw=0.8, ls=":", label="held-out greedy, SFT")
-    axes[0].axhline(_greedy(after)["success_rate"], color="green", lw=0.8, ls=":", label="held-out greedy, after")
-    axes[0].axhline(_greedy(training[0])["success_rate"], color="gray", lw=0.8, ls="-.",
-                    label="training layouts greedy, SFT")
-    axes[0].axhline(_greedy(training[1])["success_rate"], color="orange", lw=0.8, ls="-.",
-                    label="training layouts greedy, after")
+    # greedy evaluations: the SFT start at step 0 and the result at the last step, joined, each value written next
+    # to its point (as horizontal lines, two evaluations with close values hid each other)
+    last = steps[-1] if steps else 1
+    for (ev0, ev1), color, marker, name, dy in (((before, after), "tab:green", "o", "held-out greedy", -1),
+                                                (training, "tab:orange", "s", "training layouts greedy", 1)):
+        ys = (_greedy(ev0)["success_rate"], _greedy(ev1)["success_rate"])
+        axes[0].plot((0, last), ys, color=color, marker=marker, ms=5, lw=1.2, ls="--",
+                     label=f"{name}: SFT {100 * ys[0]:.1f}% -> {100 * ys[1]:.1f}%")
+        for x, y, ha in ((0, ys[0], "left"), (last, ys[1], "right")):
+            axes[0].annotate(f"{100 * y:.1f}%", (x, y), xytext=(0, 7 * dy), textcoords="offset points",
+                             ha=ha, va="center", fontsize=7, color=color,
+                             bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8})
     axes[0].set_ylim(-0.02, 1.02)
     axes[0].set_xlabel("GRPO step")
     axes[0].legend(fontsize=7)
