@@ -118,6 +118,10 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     job_file.write_text(yaml.safe_dump(job))
     assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
     assert "no-such-adapter' does not exist on this machine" in capsys.readouterr().err
+    (tmp_path / "no-such-adapter").mkdir()  # a directory, but neither an adapter nor a model
+    assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert "no-such-adapter' is neither a PEFT adapter directory" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # refused before anything was created
     assert cli.main(["eval", EXAMPLE, "--model", str(tmp_path / "no-such-model")]) == 2
     assert "no-such-model does not exist (expected a model directory" in capsys.readouterr().err
 

@@ -153,6 +153,17 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     if not job.spec.model.sft_adapter and not job.spec.model.tiny:
         errors.print("[red]model.sftAdapter is required for a non-tiny model[/red]")
         return 2
+    given = job.spec.model.sft_adapter
+    if given:  # checked before anything is created under --runs-dir
+        from daedalus_trainer.policy import is_adapter_dir, is_checkpoint_dir
+
+        if not Path(given).exists():
+            errors.print(f"[red]model.sftAdapter {given!r} does not exist on this machine[/red]")
+            return 2
+        if not (is_adapter_dir(given) or is_checkpoint_dir(given)):
+            errors.print(f"[red]model.sftAdapter {given!r} is neither a PEFT adapter directory (adapter_config.json) "
+                          "nor a model directory (config.json) on this machine[/red]")
+            return 2
     if resume != "latest":
         # A GRPO checkpoint path is verified now, not after SFT and an evaluation (the trainer moves the checkpoints
         # it will not continue aside once it has accepted it), its adapter included. With `none`, the old run's GRPO
@@ -194,16 +205,9 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     work_dir = run_dir
     # What evaluation loads: a full SFT model (tiny) with GRPO's fresh adapter on top, or the base model with the SFT
     # adapter (which GRPO trains further, so the exported adapter replaces it).
-    from daedalus_trainer.policy import is_adapter_dir, is_checkpoint_dir, resolve_base_dir
+    from daedalus_trainer.policy import is_adapter_dir, resolve_base_dir
 
     start_is_adapter = is_adapter_dir(start_dir)
-    if not Path(start_dir).exists():
-        errors.print(f"[red]model.sftAdapter {start_dir!r} does not exist on this machine[/red]")
-        return 2
-    if not (start_is_adapter or is_checkpoint_dir(start_dir)):
-        errors.print(f"[red]model.sftAdapter {start_dir!r} is neither a PEFT adapter directory (adapter_config.json) "
-                      "nor a model directory (config.json) on this machine[/red]")
-        return 2
     if start_is_adapter:
         eval_model, start_adapter = str(resolve_base_dir(job.spec.model, work_dir)), start_dir
     else:
