@@ -121,6 +121,22 @@ def test_stop_right_after_a_resume_answers_with_the_checkpoint_resumed_from(unin
     assert answer.path.endswith("step-000003")
 
 
+def test_resume_with_another_rollout_worker_count_warns(uninterrupted, sft_start, tmp_path, caplog):
+    """The checkpoint's run had 2 rollout workers, this one 1: the mazes stay the same but the tokens do not (each
+    worker samples its batch under its own seed), so the resume says it will not be bit-for-bit."""
+    import shutil
+
+    job, run, _ = uninterrupted
+    shutil.copytree(run / "checkpoints" / "step-000003", tmp_path / "checkpoints" / "step-000003")
+    trainer = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=1)
+    trainer.control.request_checkpoint(stop=True)  # resume, then stop before the first step
+    with caplog.at_level(logging.WARNING, logger="daedalus.grpo"):
+        result = trainer.train("latest")
+    assert result.resumed_from == 3 and result.steps_done == 3
+    warned = [r.getMessage() for r in caplog.records if "rollout workers" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("resumed with 1 rollout workers where the checkpoint's run had 2")
+
+
 def test_a_failing_loop_still_releases_its_actors(uninterrupted, sft_start, tmp_path):
     """The step loop raises (here: the progress callback): the actors are killed and their CPUs come back, so the
     same process can run another Trainer."""

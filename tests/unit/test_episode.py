@@ -147,6 +147,17 @@ def test_vllm_engine_imports_lazily():
             vllm_engine.VLLMEngine("/nonexistent")
 
 
+def test_vllm_engine_refuses_sampling_with_top_p_below_one():
+    """vLLM's processed log-probs under top-p are the truncated distribution's, not the learner's: refused when
+    sampling; greedy (top-p ignored) and top_p 1 pass."""
+    from daedalus_trainer.rollout.vllm_engine import check_sampling
+
+    with pytest.raises(ValueError, match="algorithm.topP 0.9 with the vLLM engine"):
+        check_sampling(SamplingParams(1.0, 0.9, 8))
+    check_sampling(SamplingParams(0.5, 1.0, 8))
+    check_sampling(SamplingParams(0.0, 0.9, 8))
+
+
 def test_ascii_observations_carry_no_image_and_recompute_exactly(tiny_policy, tiny_checkpoint):
     job = make_tiny_job(tiny_checkpoint, environment={"observation": "ascii", "historyTurns": 2, "maxTurns": 2})
     trajs = run_episodes(TransformersEngine(tiny_policy), [maze_from_seed(7, s) for s in range(2)],

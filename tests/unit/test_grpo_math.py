@@ -167,6 +167,29 @@ def test_kl_k3_is_zero_at_reference_and_positive_elsewhere():
     assert loss.item() == pytest.approx(0.5 * k3)
 
 
+def test_far_off_policy_tokens_keep_the_loss_and_gradient_finite():
+    """A token 100 nats off the behaviour policy (possible with several updates per batch) or the reference: without
+    the clamps exp() overflows to inf and the learner would skip the mini-batch; with them the loss is finite, the
+    clipped token has no gradient, and k3 stops at KL_CLAMP (verl's bounds)."""
+    from daedalus_trainer.grpo import KL_CLAMP, LOG_RATIO_CLAMP
+
+    mask = torch.ones(1, 2)
+    ep = torch.zeros(1, dtype=torch.long)
+    old = torch.tensor([[-101.0, -1.0]])
+    lp = torch.tensor([[-1.0, -1.0]], requires_grad=True)  # token 0: log-ratio +100
+    loss, stats = grpo_loss(lp, old, torch.tensor([-1.0]), mask, ep)
+    loss.backward()
+    ratio = math.exp(LOG_RATIO_CLAMP)
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx((ratio * 1.0 + 1.0) / 2, rel=1e-5)
+    assert torch.isfinite(lp.grad).all() and lp.grad[0, 0] == 0.0 and lp.grad[0, 1] != 0.0
+    lp2 = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[99.0, -1.0]])  # ref - logp = 100 on token 0, 0 on token 1
+    loss2, stats2 = grpo_loss(lp2, lp2.detach(), torch.zeros(1), mask, ep, ref_logprobs=ref, kl_coef=1.0)
+    loss2.backward()
+    assert stats2.kl == pytest.approx(KL_CLAMP / 2) and loss2.item() == pytest.approx(KL_CLAMP / 2)
+    assert torch.isfinite(lp2.grad).all()
+
+
 def test_cosine_learning_rate_schedule_values():
     from types import SimpleNamespace
 

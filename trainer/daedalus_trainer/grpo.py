@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 ADVANTAGE_EPS = 1e-6
+LOG_RATIO_CLAMP = 20.0  # verl compute_policy_loss: exp() of at most e^20 ~ 4.9e8, never inf in float32
+KL_CLAMP = 10.0  # verl kl_penalty("low_var_kl") clamps k3 to 10
 
 
 def group_advantages(rewards: torch.Tensor, norm: str = "group-std", eps: float = ADVANTAGE_EPS
@@ -35,8 +37,9 @@ def group_advantages(rewards: torch.Tensor, norm: str = "group-std", eps: float 
 
     Args:
         rewards: ``[M, G]`` float, episode rewards, one row per group (maze), G episodes each.
-        norm: ``"group-std"``: ``(r - mean_g) / (std_g + eps)`` (GRPO, DeepSeekMath eq. in §4.1.2, population std over
-            the group as in TRL); ``"none"``: ``r - mean_g`` (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, which drops
+        norm: ``"group-std"``: ``(r - mean_g) / (std_g + eps)`` (GRPO, DeepSeekMath eq. in §4.1.2, with the
+            population std over the group, ddof 0; TRL and verl use the unbiased one, so their advantages are
+            smaller by sqrt((G-1)/G): 0.94 at G=8); ``"none"``: ``r - mean_g`` (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, which drops
             the std normalisation to remove the difficulty bias).
         eps: added to the std, avoids division by zero.
 
@@ -175,7 +178,12 @@ def grpo_loss(
 
     Per assistant token t: ``ratio = exp(logp - logp_old)``, ``pg = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)``
     (asymmetric "clip-higher" bounds from DAPO, Yu et al. 2025, arXiv:2503.14476), plus ``kl_coef * k3`` with
-    ``k3 = exp(ref - logp) - (ref - logp) - 1``.
+    ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman's estimator of KL(policy || reference)).
+
+    Overflow guards, as verl's ``compute_policy_loss`` and ``kl_penalty("low_var_kl")``: ``logp - logp_old`` and
+    ``ref - logp`` are clamped to [-20, 20] before ``exp`` and k3 to at most 10, so one token far off-policy (with
+    ``iterationsPerStep`` or ``miniBatches`` > 1) cannot make the loss or its gradient infinite, which would skip the
+    whole mini-batch's update. On-policy (the default: one update per batch) the log-ratio is 0 and neither binds.
 
     Args:
         logprobs: ``[B, T]`` log-probs of the sampled tokens under the current policy (requires grad).
@@ -204,15 +212,15 @@ def grpo_loss(
         raise ValueError("kl_coef > 0 needs ref_logprobs")
     mask = mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype)[:, None]  # [B, 1]
-    log_ratio = (logprobs - old_logprobs) * mask
+    log_ratio = torch.clamp((logprobs - old_logprobs) * mask, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high) * adv
     per_token = -torch.minimum(unclipped, clipped)  # [B, T]
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None:
-        delta = (ref_logprobs - logprobs) * mask
-        kl = torch.exp(delta) - delta - 1.0
+        delta = torch.clamp((ref_logprobs - logprobs) * mask, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        kl = torch.clamp(torch.exp(delta) - delta - 1.0, max=KL_CLAMP)
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl
     per_token = per_token * mask
@@ -275,7 +283,11 @@ def learning_rate_at(algo: Any, step: int) -> float:
 
 
 def step_seed(seed: int, step: int, part: int = 0) -> int:
-    """Deterministic 31-bit seed for (run seed, step, part): a resumed run samples the same mazes and tokens."""
+    """Deterministic 31-bit seed for (run seed, step, part).
+
+    A resumed run draws the same mazes whatever its actor layout, and the same tokens when it has as many rollout
+    workers as the run it continues (each worker's batch is sampled under its own seed ``part``;
+    :meth:`Trainer.train` warns when the count changed)."""
     import numpy as np
 
     return int(np.random.SeedSequence([seed, step, part]).generate_state(1, dtype=np.uint32)[0] >> 1)
@@ -501,6 +513,11 @@ class Trainer:
             self.metrics.set_step(step)
             self.metrics.set_latest_checkpoint(latest)
             log.info("resumed from %s (step %d)", loaded.path, step)
+            before = loaded.trainer_state.extra.get("rollout_workers")
+            if before is not None and before != len(workers):
+                log.warning("resumed with %d rollout workers where the checkpoint's run had %s: the mazes of every "
+                            "step are the same, the sampled tokens are not (each worker samples its batch under its "
+                            "own seed), so the run continues, but not bit-for-bit", len(workers), before)
         resumed_from = step if loaded is not None else None
 
         def on_done(info) -> None:

@@ -15,8 +15,10 @@ Design (docs/engineering-notes.md, "vLLM rollout design"):
 - Vision special tokens get a logit bias of :data:`SUPPRESS_BIAS` (their probability becomes negligible).
 - Log-probs: ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled token under the distribution it was
   sampled from (after temperature, logit bias and top-p). With ``top_p = 1`` this equals the learner's
-  ``log softmax(z / T)`` except for the suppressed vision tokens' (negligible) mass; the GRPO learner may recompute
-  old log-probs itself when exactness matters.
+  ``log softmax(z / T)`` except for the suppressed vision tokens' (negligible) mass. With ``top_p < 1`` it would be
+  the truncated, renormalised distribution's, larger than the learner's by log(kept mass) on every token (a ratio of
+  0.9 where on-policy it must be 1), so :func:`check_sampling` refuses sampled ``top_p < 1`` (the transformers
+  engine records the untruncated log-probs and accepts it).
 """
 
 from __future__ import annotations
@@ -136,10 +138,12 @@ class VLLMEngine:
         """See :class:`~daedalus_trainer.rollout.engine.RolloutEngine`. Request ``i`` is seeded ``seed + i``.
 
         Raises:
-            ValueError: ``len(images) != len(conversations)``.
+            ValueError: ``len(images) != len(conversations)``, or sampling with ``top_p < 1``
+                (:func:`check_sampling`).
         """
         if len(images) != len(conversations):
             raise ValueError(f"{len(conversations)} conversations but {len(images)} image lists")
+        check_sampling(sampling)
         requests, params = [], []
         for i, (messages, imgs) in enumerate(zip(conversations, images)):
             req: dict[str, Any] = {"prompt": prompts.render(self.processor, messages)}
@@ -162,3 +166,17 @@ class VLLMEngine:
             finish = "stop" if o.finish_reason == "stop" else "length"
             gens.append(Generation(o.text, list(out.prompt_token_ids), ids, lps, finish, list(imgs)))
         return gens
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    """Refuse what this engine cannot sample with the log-probs GRPO needs: sampled (``temperature > 0``) with
+    ``top_p < 1``, where vLLM's processed log-probs are those of the truncated distribution, not the learner's
+    ``log softmax(z / T)`` (see the module docstring).
+
+    Raises:
+        ValueError: ``top_p < 1`` with ``temperature > 0``.
+    """
+    if not sampling.greedy and sampling.top_p < 1:
+        raise ValueError(f"algorithm.topP {sampling.top_p:g} with the vLLM engine: its log-probs would be those of the "
+                         "top-p truncated distribution, not the policy's the learner computes (every ratio off by "
+                         "the kept mass); use topP 1")
