@@ -837,16 +837,23 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         return liveness(rt)
 
 
+#: Seconds the liveness check waits for ``GET /version``: well inside the probe's own timeout (the chart's
+#: ``probes.liveness.timeoutSeconds``, 5), so a server that drops packets makes the check answer "degraded" in time
+#: rather than time the probe out (three timed-out probes restart the pod after ~60 s, before ``--liveness-stale``).
+LIVENESS_API_TIMEOUT = 2.0
+
+
 def liveness(rt: Runtime) -> str:
-    """The liveness probe's check: can this process reach the API server? ``GET /version``; any HTTP answer counts,
-    a 401/403 included (the server answered: a restart would not help, and a namespaced operator may not be allowed
-    much cluster-wide). Only no answer for ``liveness_stale`` seconds fails the probe.
+    """The liveness probe's check: can this process reach the API server? ``GET /version`` within
+    :data:`LIVENESS_API_TIMEOUT` seconds; any HTTP answer counts, a 401/403 included (the server answered: a restart
+    would not help, and a namespaced operator may not be allowed much cluster-wide). Only no answer for
+    ``liveness_stale`` seconds fails the probe; before that the check answers "degraded".
 
     Raises:
         kopf.PermanentError: no answer from the API server for longer than ``settings.liveness_stale``.
     """
     try:
-        rt.kube.version()
+        rt.kube.version(timeout=min(LIVENESS_API_TIMEOUT, rt.kube.timeout))
     except kube.KubeError as e:
         if not e.status:  # no HTTP answer: connection refused, timeout, TLS failure
             age = time.monotonic() - rt.last_api_ok

@@ -109,13 +109,13 @@ class KubeAPI:
         self.timeout = timeout
 
     def _call(self, method: str, path: str, *, body: Any = None, query: dict[str, str] | None = None,
-              content_type: str = "application/json") -> Any:
+              content_type: str = "application/json", timeout: float | None = None) -> Any:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         try:
             m, url, hdrs, payload, post = self.client.param_serialize(
                 method, path, query_params=list((query or {}).items()), header_params=headers, body=body,
                 auth_settings=["BearerToken"])
-            resp = self.client.call_api(m, url, hdrs, payload, post, _request_timeout=self.timeout)
+            resp = self.client.call_api(m, url, hdrs, payload, post, _request_timeout=timeout or self.timeout)
             resp.read()
         except ApiException as exc:
             raise KubeError(exc.status or 0, exc.reason or "Error", str(exc.body or exc)) from None
@@ -132,13 +132,14 @@ class KubeAPI:
             raise KubeError(resp.status, reason or "Error", message[:500])
         return doc
 
-    def version(self) -> dict:
-        """``GET /version`` (readable by every authenticated client under the default RBAC: system:discovery).
+    def version(self, timeout: float | None = None) -> dict:
+        """``GET /version`` (readable by every authenticated client under the default RBAC: system:discovery), within
+        ``timeout`` seconds (default: this client's).
 
         Raises:
             KubeError: the call failed (``status`` 0: no answer).
         """
-        return self._call("GET", "/version") or {}
+        return self._call("GET", "/version", timeout=timeout) or {}
 
     def api_groups(self) -> dict:
         """``GET /apis``: the API groups (an ``APIGroupList``), kopf's first request at start; readable by every

@@ -284,6 +284,19 @@ def test_api_wait_ends_inside_the_liveness_probe_window(rendered: dict[str, list
     assert args.api_wait + 2 * args.request_timeout < restart_after
 
 
+def test_the_liveness_check_answers_inside_the_probe_timeout(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Both probes GET /healthz, whose check waits up to LIVENESS_API_TIMEOUT for the API server; with a server that
+    drops packets, a check slower than the probe's timeoutSeconds would fail every probe and restart the pod after
+    ~60 s, long before --liveness-stale (120 s) means it to. kopf adds its own handler overhead: keep 2 s spare."""
+    from daedalus_operator.handlers import LIVENESS_API_TIMEOUT
+
+    dep = one(rendered["defaults"], "Deployment")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthz"
+        assert LIVENESS_API_TIMEOUT + 2 <= container[probe]["timeoutSeconds"], probe
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_deployment_args_parse_with_the_operator_cli(rendered: dict[str, list[dict[str, Any]]], variant: str) -> None:
     """The rendered command line is accepted by the operator's own argument parser and means what the values say;

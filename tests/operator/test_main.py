@@ -288,6 +288,33 @@ def test_kube_error_names_why_a_request_got_no_answer(tmp_path: Path) -> None:
         silent.close()
 
 
+def test_liveness_answers_degraded_in_time_when_the_api_server_is_silent(tmp_path: Path) -> None:
+    """A server that accepts and never replies: the check answers "degraded" after LIVENESS_API_TIMEOUT, not after
+    the client's 10 s request timeout (the kubelet's probe gives up at 5 s), and fails once nothing has answered for
+    --liveness-stale seconds."""
+    import kopf
+
+    from daedalus_operator.handlers import LIVENESS_API_TIMEOUT, Runtime, liveness
+    from daedalus_operator.settings import OperatorSettings
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    try:
+        client = api_client_from_environment(str(_kubeconfig(tmp_path, f"http://127.0.0.1:{silent.getsockname()[1]}")))
+        rt = Runtime(settings=OperatorSettings(liveness_stale=120.0), metrics=OperatorMetrics(),
+                     kube=KubeAPI(client, timeout=10.0))
+        started = time.monotonic()
+        assert liveness(rt).startswith("degraded (")
+        took = time.monotonic() - started
+        assert LIVENESS_API_TIMEOUT - 0.1 <= took < LIVENESS_API_TIMEOUT + 1.5, took
+        rt.last_api_ok -= 600
+        with pytest.raises(kopf.PermanentError, match="has not answered for 6"):
+            liveness(rt)
+    finally:
+        silent.close()
+
+
 def test_kubeconfig_env_naming_a_missing_file_exits_with_one_line(tmp_path: Path) -> None:
     """$KUBECONFIG naming no file gets the same one line as --kubeconfig (the client said 'No configuration found.')."""
     missing = tmp_path / "gone.yaml"
