@@ -33,7 +33,7 @@ import secrets
 from typing import Any
 
 import yaml
-from daedalus_trainer.config import ObjectMeta, RLTrainingJob, RLTrainingJobSpec, WorkerGroupSpec
+from daedalus_trainer.config import HeadSpec, ObjectMeta, RLTrainingJob, RLTrainingJobSpec, WorkerGroupSpec
 
 from daedalus_operator import api
 from daedalus_operator.plan import JobView
@@ -200,8 +200,16 @@ def _affinity(hyperpod: bool) -> dict[str, Any] | None:
     ]}}}
 
 
-def _tolerations(group: WorkerGroupSpec) -> list[dict[str, Any]]:
+def _tolerations(group: WorkerGroupSpec | HeadSpec) -> list[dict[str, Any]]:
     return [t.model_dump(by_alias=True, exclude_none=True) for t in group.tolerations]
+
+
+def _place_head(pod: dict[str, Any], spec: RLTrainingJobSpec) -> None:
+    """``cluster.head``'s node selector and tolerations on a head pod spec (training or serving)."""
+    if spec.cluster.head.node_selector:
+        pod["nodeSelector"] = dict(spec.cluster.head.node_selector)
+    if spec.cluster.head.tolerations:
+        pod["tolerations"] = _tolerations(spec.cluster.head)
 
 
 def _shared_volume(spec: RLTrainingJobSpec) -> tuple[list[dict], list[dict]]:
@@ -253,6 +261,7 @@ def _head_template(job: JobView, settings: OperatorSettings) -> dict[str, Any]:
         "volumeMounts": mounts,
     }
     pod: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    _place_head(pod, spec)
     if spec.cluster.service_account_name:
         pod["serviceAccountName"] = spec.cluster.service_account_name
     affinity = _affinity(spec.resilience.hyper_pod)
@@ -395,6 +404,9 @@ def build_rayservice(job: JobView, lora_uri: str) -> dict[str, Any]:
     if gpu_group.tolerations:
         worker_pod["tolerations"] = _tolerations(gpu_group)
     head_pod: dict[str, Any] = {"containers": [head_container], "volumes": volumes}
+    _place_head(head_pod, spec)
+    if spec.cluster.service_account_name:  # IRSA / Pod Identity: the adapter is read from object storage
+        head_pod["serviceAccountName"] = worker_pod["serviceAccountName"] = spec.cluster.service_account_name
     affinity = _affinity(spec.resilience.hyper_pod)
     if affinity:
         head_pod["affinity"] = affinity

@@ -263,6 +263,32 @@ def test_rayservice_validates_and_serves_the_adapter(rayservice_schema, name: st
     assert r.serving_request_model(job) == "Qwen/Qwen3-VL-8B-Instruct:adapter"
 
 
+def test_head_placement_and_service_account_reach_training_and_serving_pods(raycluster_schema,
+                                                                            rayservice_schema) -> None:
+    """cluster.head.nodeSelector/tolerations place both heads (on a cluster of tainted GPU nodes an untolerating head
+    stays Pending); cluster.serviceAccountName reaches the serving pods too (they read the adapter from S3 through
+    IRSA). Without the head fields, the head pods carry neither."""
+    taint = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    job = view(HYPERPOD, serving__enabled=True, cluster__serviceAccountName="trainer-irsa",
+               cluster__head__nodeSelector={"node.kubernetes.io/instance-type": "ml.m5.4xlarge"},
+               cluster__head__tolerations=taint)
+    rc = r.build_raycluster(job, SETTINGS)
+    rs = r.build_rayservice(job, "s3://bucket/exports/")
+    assert errors(raycluster_schema, rc) == [] and errors(rayservice_schema, rs) == []
+    heads = [rc["spec"]["headGroupSpec"]["template"]["spec"],
+             rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]]
+    for pod in heads:
+        assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "ml.m5.4xlarge"}
+        assert pod["tolerations"] == taint and pod["serviceAccountName"] == "trainer-irsa"
+    serve_worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert serve_worker["serviceAccountName"] == "trainer-irsa"
+    assert serve_worker["nodeSelector"] == {"node.kubernetes.io/instance-type": "ml.p5.48xlarge"}  # the GPU group's
+    plain = view(HYPERPOD, serving__enabled=True)
+    for pod in (r.build_raycluster(plain, SETTINGS)["spec"]["headGroupSpec"]["template"]["spec"],
+                r.build_rayservice(plain, "s3://b/e/")["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]):
+        assert not {"nodeSelector", "tolerations", "serviceAccountName"} & set(pod)
+
+
 def test_rayservice_rejects_a_local_lora_path() -> None:
     with pytest.raises(ValueError, match="object storage only"):
         r.build_rayservice(view(HYPERPOD, serving__enabled=True), "/fsx/daedalus/checkpoints/exports")

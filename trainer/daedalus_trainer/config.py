@@ -332,6 +332,11 @@ class HeadSpec(_Model):
     """CPU request and limit of the head pod (a positive quantity string: "4", "500m")."""
     memory: str = Field("16Gi", pattern=POSITIVE_QUANTITY_PATTERN)
     """Memory request and limit of the head pod (a positive quantity string: "16Gi")."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node selector labels of the head pod (also the serving RayService's head), e.g. a CPU node group's."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Tolerations of the head pod (also the serving RayService's head): needed where every node is tainted, as in
+    GPU-only HyperPod clusters, or the head stays Pending."""
 
 
 class WorkerGroupSpec(_Model):
@@ -402,7 +407,9 @@ class ServingSpec(_Model):
     replicas: int = Field(1, ge=1, le=100, strict=True)
     """Serving replicas."""
     image: str | None = None
-    """Serving image (defaults to the cluster image)."""
+    """Serving image (defaults to the cluster image). It needs Ray Serve LLM at the cluster's Ray version
+    (`ray[serve,llm]`; Ray 2.60's `llm` extra pins vLLM 0.29.0), which Dockerfile.trainer's image (vLLM 0.33.0 for
+    rollouts, no `llm` extra) does not have: set it to a serving image."""
     gpus_per_replica: int = Field(1, ge=0, le=16, strict=True)
     """GPUs per serving replica."""
 
