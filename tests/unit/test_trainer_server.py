@@ -346,6 +346,32 @@ def test_timeout_answers_504_and_the_request_stays_pending(server: TrainerServer
         assert requests.post(server.url + f"/checkpoint?timeout={bad}", headers=AUTH, timeout=5).status_code == 400
 
 
+def test_a_request_during_an_older_save_is_answered_by_the_next_one(control: ControlState) -> None:
+    """Saves are asynchronous: step 10's interval save is queued (it covers the requests so far), then the operator
+    asks for a checkpoint (or a stop) while it is being written. Step 10's commit must not answer that request, whose
+    state is newer; the flag stays up so the loop saves step 11, and that answers it. A failed older write likewise
+    leaves the newer request pending instead of answering it with 500."""
+    from types import SimpleNamespace
+
+    first = control.request_checkpoint()
+    covers = control.request_seq()  # what the step-10 save covers, read when it is queued
+    later = control.request_checkpoint(stop=True)
+    control.checkpoint_done(SimpleNamespace(step=10, path="/c/step-000010", time=1.0e9), upto=covers)
+    assert control.wait(first, timeout=0.1).step == 10
+    assert control.wait(later, timeout=0.1) is None  # still pending
+    assert control.checkpoint_requested() and control.stop_requested()
+    assert control.status()["latestCheckpoint"]["step"] == 10
+    control.checkpoint_failed("older write failed", upto=covers)  # a failure of an older write: not this request's
+    assert control.wait(later, timeout=0.1) is None and control.checkpoint_requested()
+    control.checkpoint_done(SimpleNamespace(step=11, path="/c/step-000011", time=1.0e9 + 5),
+                            upto=control.request_seq())
+    assert control.wait(later, timeout=0.1).step == 11
+    third = control.request_checkpoint()
+    control.checkpoint_failed("disk full", upto=control.request_seq())
+    assert control.wait(third, timeout=0.1).error == "disk full"
+    assert control.status()["checkpointRequested"] and control.stop_requested()  # the stop still stands
+
+
 def test_failed_save_and_terminal_phase_answer_waiters(server: TrainerServer, control: ControlState) -> None:
     def fail_when_asked(message: str | None, phase: str | None) -> None:
         while not control.checkpoint_requested():

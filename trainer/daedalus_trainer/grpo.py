@@ -520,9 +520,13 @@ class Trainer:
                             "own seed), so the run continues, but not bit-for-bit", len(workers), before)
         resumed_from = step if loaded is not None else None
 
+        # The requests each queued save answers: those received before it was queued (a request that arrives while
+        # an older save is still being written waits for the next one, which holds the state it asked for).
+        covers: dict[int, int] = {}
+
         def on_done(info) -> None:
             self.metrics.observe_checkpoint(info)
-            self.control.checkpoint_done(info)
+            self.control.checkpoint_done(info, upto=covers.pop(info.step, None))
             self.control.set_status(latest_checkpoint=info)
             log.info("checkpoint step %d written to %s (%.2f s, %d bytes)", info.step, info.path, info.seconds,
                      info.bytes)
@@ -530,7 +534,7 @@ class Trainer:
         def on_failed(step_now: int, exc: Exception) -> None:
             # The previous checkpoint is intact; training goes on and the stale-checkpoint alert fires.
             log.error("checkpoint at step %d failed, previous checkpoint kept: %s", step_now, exc)
-            self.control.checkpoint_failed(str(exc))
+            self.control.checkpoint_failed(str(exc), upto=covers.pop(step_now, None))
 
         checkpointer = CheckpointWriter(manager, on_done=on_done, on_failed=on_failed, latest=latest)
 
@@ -540,6 +544,7 @@ class Trainer:
             # sampler state is the step; the global RNG states are recorded for completeness.
             state = TrainerState(sampler={"seed": algo.seed, "next_step": step_now}, rng=capture_rng_state(),
                                  metric_history=list(history), extra={"rollout_workers": len(workers)})
+            covers[step_now] = self.control.request_seq()
             checkpointer.save(step_now, learner, state)
             saved_step = step_now
             if wait:

@@ -133,8 +133,10 @@ class ControlState:
             control.set_status(phase="training")
 
     ``checkpoint_done`` answers every caller that asked before it (several concurrent requests coalesce into one
-    checkpoint). Entering a terminal phase (``finished``/``stopped``/``failed``) answers pending callers with an
-    error (HTTP 409).
+    checkpoint). A loop whose saves are asynchronous passes ``upto``, :meth:`request_seq` read when the save was
+    queued: a request that arrived while an older save was still being written is then answered by the next save,
+    not by that older one (which predates it). Entering a terminal phase (``finished``/``stopped``/``failed``) answers
+    pending callers with an error (HTTP 409).
     """
 
     def __init__(self, *, total_steps: int = 0, attempt: int = 0) -> None:
@@ -168,22 +170,28 @@ class ControlState:
         with self._cond:
             return self._stop_requested
 
-    def checkpoint_done(self, info: Any) -> None:
+    def request_seq(self) -> int:
+        """The number of checkpoint/stop requests received so far: read it when a save is queued and pass it as
+        ``upto`` to :meth:`checkpoint_done` / :meth:`checkpoint_failed`."""
+        with self._cond:
+            return self._request_seq
+
+    def checkpoint_done(self, info: Any, upto: int | None = None) -> None:
         """Report a written checkpoint (any object with ``step``, ``path``, ``time`` in Unix seconds, e.g.
-        ``CheckpointInfo``): updates ``latestCheckpoint``, clears the request flag, answers waiting callers."""
+        ``CheckpointInfo``): updates ``latestCheckpoint`` and answers the callers whose request it covers, every one
+        so far or, with ``upto``, those up to that :meth:`request_seq`. The request flag is cleared once no request
+        is left unanswered."""
         result = CheckpointResult(step=int(info.step), path=str(info.path), time=float(info.time))
         with self._cond:
             self._status["latestCheckpoint"] = {"step": result.step, "path": result.path,
                                                 "time": _rfc3339(result.time)}
-            self._checkpoint_requested = False
-            self._answer_locked(result)
+            self._answer_locked(result, upto)
 
-    def checkpoint_failed(self, message: str) -> None:
-        """Report that a requested save failed: waiting callers get HTTP 500 with ``message``. The request flag is
-        cleared (a caller may ask again)."""
+    def checkpoint_failed(self, message: str, upto: int | None = None) -> None:
+        """Report that a save failed: the callers it covers (as in :meth:`checkpoint_done`) get HTTP 500 with
+        ``message``; the request flag is cleared once none is left (a caller may ask again)."""
         with self._cond:
-            self._checkpoint_requested = False
-            self._answer_locked(CheckpointResult(error=message))
+            self._answer_locked(CheckpointResult(error=message), upto)
 
     def set_status(
         self,
@@ -271,9 +279,12 @@ class ControlState:
                 return CheckpointResult(error="checkpoint result no longer available")
             return self._results[min(answered)]
 
-    def _answer_locked(self, result: CheckpointResult) -> None:
-        if self._answered_seq < self._request_seq:
-            self._answered_seq = self._request_seq
+    def _answer_locked(self, result: CheckpointResult, upto: int | None = None) -> None:
+        covered = self._request_seq if upto is None else min(int(upto), self._request_seq)
+        if covered >= self._request_seq:
+            self._checkpoint_requested = False
+        if self._answered_seq < covered:
+            self._answered_seq = covered
             self._results[self._answered_seq] = result
             # Keep only answers a waiter may still need (bounded memory under repeated requests).
             if len(self._results) > 64:
