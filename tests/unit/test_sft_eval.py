@@ -188,6 +188,29 @@ def test_sft_refuses_a_run_that_other_settings_started(tmp_path):
     sft.run_sft(_short_job(None, 2), out, resume=False, **fast)
 
 
+def test_replacing_the_sft_checkpoint_never_deletes_the_only_complete_one(tmp_path):
+    """A crash between the two renames leaves only ``checkpoint.old``; the resumed run's next save must keep it until
+    the new directory has taken ``checkpoint``'s place (before, it deleted ``.old`` first, so a second crash, or a
+    failing rename as here, left no checkpoint and SFT started over)."""
+    def complete(d, tag):
+        d.mkdir()
+        (d / "state.json").write_text(tag)
+        (d / "optimizer.pt").write_text(tag)
+
+    complete(tmp_path / "checkpoint.old", "A")
+    with pytest.raises(FileNotFoundError):
+        sft._atomic_replace_dir(tmp_path / "checkpoint.tmp-never-written", tmp_path / "checkpoint")
+    assert sft._find_checkpoint(tmp_path) == tmp_path / "checkpoint.old"
+    complete(tmp_path / "checkpoint.tmp", "B")
+    sft._atomic_replace_dir(tmp_path / "checkpoint.tmp", tmp_path / "checkpoint")
+    assert sft._find_checkpoint(tmp_path) == tmp_path / "checkpoint"
+    assert (tmp_path / "checkpoint" / "state.json").read_text() == "B" and not (tmp_path / "checkpoint.old").exists()
+    complete(tmp_path / "checkpoint.tmp", "C")  # the usual case: the previous one becomes .old, then goes
+    sft._atomic_replace_dir(tmp_path / "checkpoint.tmp", tmp_path / "checkpoint")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+    assert (tmp_path / "checkpoint" / "state.json").read_text() == "C"
+
+
 def test_sft_says_when_its_time_budget_ends_it_before_its_steps(tmp_path, caplog):
     """sft.maxSeconds reached before sft.steps: a warning with both figures (the start then follows the machine's
     speed); the report records the steps done against the step budget."""

@@ -352,12 +352,19 @@ class SFTState:
 
 
 def _atomic_replace_dir(tmp: Path, final: Path) -> None:
+    """Put the complete directory ``tmp`` in place of ``final`` so that a crash at any point leaves one complete
+    checkpoint for :func:`_find_checkpoint`: ``final``, else ``final.old``. The ``.old`` copy is deleted only while
+    ``final`` exists (after a crash between the two renames, ``.old`` is the only checkpoint left, and it is kept
+    until ``tmp`` has taken ``final``'s place)."""
+    from daedalus_trainer.checkpoint import _fsync_path
+
     old = final.with_name(final.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
     if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
         final.rename(old)
     tmp.rename(final)
+    _fsync_path(final.parent, directory=True)  # the renames are durable before the fallback copy goes
     if old.exists():
         shutil.rmtree(old)
 
