@@ -259,6 +259,33 @@ def test_corrupt_newest_falls_back_to_previous_with_log(tmp_path: Path, caplog, 
                for line in lines), lines
 
 
+def test_an_unreadable_newest_checkpoint_is_an_error_not_a_fallback(tmp_path: Path) -> None:
+    """Permission denied (EACCES, a real one: the file mode is 000 and the reader may not override it) on the newest
+    checkpoint's optimizer state says nothing about its content: load_latest raises instead of resuming from the
+    older checkpoint (whose steps would be trained again, and the newer one moved aside). As root the read runs in a
+    child process without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH (util-linux setpriv)."""
+    import sys
+
+    root = tmp_path / "ckpt"
+    save_steps(CheckpointManager(root, keep=3), [10, 20])
+    (root / "step-000020" / "optimizer.pt").chmod(0)
+    probe = ("import sys\nfrom daedalus_trainer.checkpoint import CheckpointError, load_latest\n"
+             "try:\n    c = load_latest(sys.argv[1])\nexcept CheckpointError as e:\n    print('ERROR', e)\n"
+             "else:\n    print('LOADED', c.step)\n")
+    cmd = [sys.executable, "-c", probe, str(root)]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without util-linux setpriv: root reads a mode-000 file")
+        cmd = [setpriv, "--bounding-set=-dac_override,-dac_read_search", "--", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"ERROR cannot read checkpoint {root / 'step-000020'}: [Errno 13] Permission "
+                                 "denied"), out.stdout
+    assert "no older checkpoint was tried and nothing was moved aside" in out.stdout
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000010", "step-000020"]
+
+
 def test_all_corrupt_raises_and_empty_root_returns_none(tmp_path: Path) -> None:
     assert load_latest(tmp_path / "nothing-here") is None
     root = tmp_path / "ckpt"

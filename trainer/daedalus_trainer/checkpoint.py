@@ -481,6 +481,12 @@ def read_latest_pointer(root: str | os.PathLike[str]) -> str | None:
     return name
 
 
+#: errnos of a read that failed for the file system's or the permissions' sake, not the content's (load_latest does
+#: not fall back past them): I/O error, stale NFS/Lustre handle, permission, not connected, timed out, busy, again.
+READ_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.EACCES, errno.EPERM, errno.ENOTCONN, errno.ETIMEDOUT,
+                         errno.EBUSY, errno.EAGAIN, errno.ENODEV, errno.ENXIO})
+
+
 def _fsync_path(path: Path, *, directory: bool = False) -> None:
     flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
     fd = os.open(path, flags)
@@ -671,9 +677,14 @@ def load_latest(root: str | os.PathLike[str]) -> LoadedCheckpoint | None:
     Returns:
         The checkpoint, or ``None`` when ``root`` holds no ``step-*`` directory at all (a fresh run).
 
+    An I/O error while reading one (``EIO``, ``ESTALE``, ``EACCES``, ...: :data:`READ_ERRNOS`) says nothing about
+    its content: no older checkpoint is used then (its steps would be trained again, and the caller would move the
+    newer one aside), the call fails instead, to be retried once the file system answers.
+
     Raises:
         CheckpointCorruptError: checkpoints exist but none verifies (starting from scratch silently would lose
             the run; a human should look).
+        CheckpointError: a checkpoint could not be read (an I/O error, listed above), nothing was tried after it.
     """
     root = Path(root)
     candidates = list(reversed(list_checkpoints(root)))
@@ -689,13 +700,22 @@ def load_latest(root: str | os.PathLike[str]) -> LoadedCheckpoint | None:
             loaded = load_checkpoint(path)
         except CheckpointCorruptError as e:
             problems = e.problems[path]
-        except (OSError, ValueError, KeyError, TypeError) as e:  # e.g. trainer_state.json lacking "step"
+        except OSError as e:
+            if e.errno in READ_ERRNOS:
+                raise CheckpointError(
+                    f"cannot read checkpoint {path}: {e}: an I/O error, which says nothing about the checkpoint's "
+                    "content, so no older checkpoint was tried and nothing was moved aside; retry once the file "
+                    "system answers (fix permissions for EACCES/EPERM)") from e
+            name = Path(e.filename).name if e.filename else TRAINER_STATE
+            problems = [ManifestProblem(name, "unreadable", f"{type(e).__name__}: {e}")]
+        except (ValueError, KeyError, TypeError) as e:  # e.g. trainer_state.json lacking "step"
             problems = [ManifestProblem(TRAINER_STATE, "unreadable JSON", f"{type(e).__name__}: {e}")]
         else:
             if rejected:
                 log.warning("resuming from older checkpoint %s after rejecting %d newer one(s)", path, len(rejected))
             if pointer is not None and pointer != path.name:
-                log.info("checkpoint pointer names %s; resuming from newer verified %s", pointer, path.name)
+                log.info("checkpoint pointer names %s; resuming from the newest verified checkpoint, %s", pointer,
+                         path.name)
             return loaded
         rejected[path] = problems
         fallback = candidates[i + 1][1].name if i + 1 < len(candidates) else "nothing"
