@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -179,3 +180,34 @@ def test_resume_refuses_a_checkpoint_of_another_lora_adapter(uninterrupted, sft_
             str(tmp_path / "checkpoints" / "step-000003"))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(("step-", "abandoned"))
                   ) == ["step-000003", "step-000006"]
+
+
+def test_resume_refuses_a_checkpoint_of_another_run_and_allows_more_steps(uninterrupted, sft_start, tmp_path):
+    """A job created again under the same name with another seed finds the old run's checkpoints: refused before any
+    actor starts, naming the field, nothing moved aside. Raising algorithm.steps (train on) is the same run; so is
+    the same start copied with its modification times (shutil.copytree)."""
+    import shutil
+
+    from daedalus_trainer.checkpoint import CheckpointError, load_latest
+    from daedalus_trainer.grpo import check_same_run, run_identity
+
+    job, run, _ = uninterrupted
+    shutil.copytree(run / "checkpoints", tmp_path / "checkpoints")
+    other = parse_job(tiny_job_dict(algorithm={"lrSchedule": "cosine", "seed": 1}))
+    with pytest.raises(CheckpointError, match=r"other settings \(algorithm\.seed: 0 there, 1 in this job\)"):
+        Trainer(other, tmp_path, start_dir=str(sft_start), rollout_workers=2).train("latest")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(("step-", "abandoned"))
+                  ) == ["step-000003", "step-000006"]
+    saved = load_latest(tmp_path / "checkpoints").trainer_state.extra["identity"]
+    assert saved == run_identity(job, str(sft_start)) and saved["start"]  # the start's weight files are in it
+    longer = parse_job(tiny_job_dict(algorithm={"lrSchedule": "cosine", "steps": 12}))
+    check_same_run(saved, run_identity(longer, str(sft_start)), "here")
+    shutil.copytree(sft_start, tmp_path / "start-copy")
+    check_same_run(saved, run_identity(job, str(tmp_path / "start-copy")), "here")
+    retrained = tmp_path / "start-retrained"
+    shutil.copytree(sft_start, retrained)
+    weights = next(f for f in sorted(retrained.iterdir()) if f.suffix == ".safetensors")
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))  # saved again
+    with pytest.raises(CheckpointError, match="the starting point's weights differ"):
+        check_same_run(saved, run_identity(job, str(retrained)), "here")
+

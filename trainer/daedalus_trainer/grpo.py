@@ -474,8 +474,11 @@ class Trainer:
 
             resolve_base_dir(job.spec.model, self.work_dir)
         loaded = manager.resume(resume)  # before the actors start: a bad --resume fails in a second, not minutes
+        identity = run_identity(job, self.start_dir)
         if loaded is not None:
             check_adapter_matches(loaded.load_adapter_config(), self._expected_adapter(), loaded.path)
+            check_same_run(loaded.trainer_state.extra.get("identity"), identity, loaded.path)
+        self._identity = identity
         manager.abandon_other_timelines(loaded)  # only once nothing can refuse the run any more
         learner, workers = self._actors()
         try:
@@ -543,7 +546,8 @@ class Trainer:
             # Every random draw comes from per-step seeds (mazes: (seed, step, index); sampling: step_seed), so the
             # sampler state is the step; the global RNG states are recorded for completeness.
             state = TrainerState(sampler={"seed": algo.seed, "next_step": step_now}, rng=capture_rng_state(),
-                                 metric_history=list(history), extra={"rollout_workers": len(workers)})
+                                 metric_history=list(history),
+                                 extra={"rollout_workers": len(workers), "identity": self._identity})
             covers[step_now] = self.control.request_seq()
             checkpointer.save(step_now, learner, state)
             saved_step = step_now
@@ -633,6 +637,68 @@ class Trainer:
         self.control.set_status(phase="training")
         log.info("held-out greedy success at step %d: %.3f (%d mazes)", step, ratio, len(wins))
         return ratio
+
+
+#: ``algorithm`` fields a GRPO run may change and still continue from its checkpoint (:func:`check_same_run`): its
+#: length (a raised ``steps`` trains on; the cosine schedule then follows the new length) and the cadence of its
+#: held-out evaluations.
+RESUMABLE_ALGORITHM_FIELDS = ("steps", "evalIntervalSteps")
+
+
+def run_identity(job: Any, start_dir: str | None) -> dict[str, Any]:
+    """What a GRPO run's trajectory depends on, flat as ``{"section.field": value}`` in the API's spelling: the job's
+    ``model`` (but for the ``sftAdapter`` path: a volume mounted elsewhere is the same start), ``lora``,
+    ``environment`` and ``algorithm`` sections (but for :data:`RESUMABLE_ALGORITHM_FIELDS`) and ``start``: the starting point's weight files (``*.safetensors``, ``*.bin`` in ``start_dir``; an adapter, megabytes,
+    by sha256, a full model by size in bytes and modification time in ns, so a multi-GB model costs no read). Kept in
+    every checkpoint's ``TrainerState.extra``."""
+    from daedalus_trainer.checkpoint import sha256_and_size
+    from daedalus_trainer.policy import is_adapter_dir
+
+    spec = job.spec
+    flat: dict[str, Any] = {}
+    for name in ("model", "lora", "environment", "algorithm"):
+        for key, value in getattr(spec, name).model_dump(mode="json", by_alias=True).items():
+            if not (name == "algorithm" and key in RESUMABLE_ALGORITHM_FIELDS or f"{name}.{key}" == "model.sftAdapter"):
+                flat[f"{name}.{key}"] = value
+    files = []
+    if start_dir and Path(start_dir).is_dir():
+        adapter = is_adapter_dir(start_dir)
+        for f in sorted(Path(start_dir).iterdir()):
+            if f.suffix in (".safetensors", ".bin") and f.is_file():
+                st = f.stat()
+                files.append([f.name, sha256_and_size(f)[0]] if adapter else [f.name, st.st_size, st.st_mtime_ns])
+    flat["start"] = files
+    return flat
+
+
+def check_same_run(saved: Mapping[str, Any] | None, now: Mapping[str, Any], where: Any) -> None:
+    """Refuse to continue a GRPO checkpoint that a run with other settings or another starting point wrote (a job
+    deleted and created again under the same name with another seed or environment, or a local run whose SFT start
+    was trained again): continuing would train the old adapter on the new settings. Fields only one side has (from
+    another version of Daedalus) are not compared; a checkpoint without an identity passes.
+
+    Args:
+        saved: the checkpoint's :func:`run_identity` (``TrainerState.extra["identity"]``), or ``None``.
+        now: this run's.
+        where: the checkpoint, for the message.
+
+    Raises:
+        daedalus_trainer.checkpoint.CheckpointError: naming each differing field with both values and the ways on.
+    """
+    from daedalus_trainer.checkpoint import CheckpointError
+
+    if not saved:
+        return
+    diff = []
+    for k in sorted(set(saved) & set(now)):
+        if saved[k] != now[k]:
+            diff.append("the starting point's weights differ (the SFT start was trained or replaced since)" if k ==
+                        "start" else f"{k}: {saved[k]!r} there, {now[k]!r} in this job")
+    if diff:
+        raise CheckpointError(f"checkpoint {where} was written by a run with other settings ({'; '.join(diff)}): "
+                              "continuing it would mix the two runs. Restore those settings, or start over: locally "
+                              "`--resume none` (the old checkpoints are moved aside); on a cluster a new job name, "
+                              "or the job's checkpoints directory moved aside")
 
 
 def check_adapter_matches(saved: Mapping[str, Any], expected: Mapping[str, Any], where: Any) -> None:
