@@ -659,7 +659,11 @@ def _checkpointing(b: _Builder) -> Plan:
     done = max(steps) if steps else None
     if j.state == RayJobState.SUCCEEDED and _finished(b, done):
         return b.succeed()
-    if not j.state.active:  # ended: on our POST /stop (exit 0 after the checkpoint), or failed meanwhile
+    # Ended: on our POST /stop (exit 0 after the checkpoint), or failed meanwhile; or the RayCluster is gone. A
+    # dashboard that did not answer (UNREACHABLE: one timeout on a busy head) is no such evidence: the trainer may be
+    # writing the checkpoint; the wait below (checkpointTimeoutSeconds) bounds it.
+    if j.state.ended or j.state == RayJobState.NOT_FOUND or (
+            j.state == RayJobState.UNREACHABLE and (not o.cluster.exists or o.cluster.deleting)):
         rec.stop_requested_at = rec.stop_requested_at or b.now_s()
         b.set(recovery=rec)
         if done is not None and done >= target:

@@ -295,6 +295,24 @@ ROWS = [
     Row("checkpointing-job-ended", job(running_status(phase="Checkpointing", recovery=dict(
         RECOVERING, stopRequestedAt=None))), obs(state=p.RayJobState.FAILED, message="node died"),
         Phase.RECOVERING, [], {"recovery": lambda r: r.stop_requested_at == format_time(NOW)}, ["Recovering"], 0),
+    # one dashboard timeout is no evidence that the Ray job ended: keep waiting for the checkpoint (bounded by
+    # checkpointTimeoutSeconds), never go on to StopJob the trainer mid-checkpoint
+    Row("checkpointing-dashboard-timeout-keeps-waiting", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(state=p.RayJobState.UNREACHABLE, message="timeout", call=p.CheckpointCall(in_flight=True)),
+        Phase.CHECKPOINTING, [], {}, [], 2.0, check=lambda plan: "recovery" not in plan.status),
+    Row("checkpointing-dashboard-timeout-checkpoint-written", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(state=p.RayJobState.UNREACHABLE, message="timeout", call=p.CheckpointCall(step=13, path="/c/13")),
+        Phase.RECOVERING, [p.StopJob(sid(1))], {"latest_checkpoint": lambda c: c.step == 13},
+        ["CheckpointTaken", "Recovering"]),
+    Row("checkpointing-dashboard-timeout-past-checkpoint-timeout", job(running_status(
+        phase="Checkpointing", recovery=dict(RECOVERING, checkpointRequestedAt=ago(301), stopRequestedAt=None))),
+        obs(state=p.RayJobState.UNREACHABLE, message="timeout", call=p.CheckpointCall(in_flight=True)),
+        Phase.RECOVERING, [p.StopJob(sid(1))], {}, ["CheckpointTimeout", "Recovering"]),
+    Row("checkpointing-cluster-gone", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))), obs(GONE, p.RayJobState.UNREACHABLE),
+        Phase.RECOVERING, [], {}, ["Recovering"], 0),
     Row("checkpointing-job-finished-all-steps", job(running_status(phase="Checkpointing", recovery=RECOVERING,
                                                                   currentStep=40)),
         obs(state=p.RayJobState.SUCCEEDED), Phase.SUCCEEDED, [p.DeleteCluster()], {"recovery": None}, ["Succeeded"],
