@@ -593,7 +593,22 @@ def _running(b: _Builder) -> Plan:
 
     if not st.submission_confirmed:
         if j.state == RayJobState.NOT_FOUND:
-            # Decided and recorded, but the head does not know it: the submit failed or never ran (operator restart).
+            # Decided and recorded, but the head does not know it: the submit failed or never ran (operator restart),
+            # or Ray keeps refusing it. Nothing runs, so nothing to checkpoint; suspend, node health and the progress
+            # deadline (last_progress_time is the submission time) still apply, so a submission that never lands is
+            # a failed attempt (Hung, counted against maxRestarts), not a resubmission every poll forever.
+            if b.spec.suspend:
+                return b.detected(Reason.SUSPEND, None, "spec.suspend is true", checkpoint=False, job_active=False)
+            issue = o.health.first_issue()
+            if issue is not None:
+                reason, node, message = issue
+                return b.detected(reason, node, message, checkpoint=False, job_active=False)
+            idle = b.seconds_since(st.last_progress_time)
+            deadline = b.spec.resilience.progress_deadline_seconds
+            if idle is not None and idle > deadline:
+                return b.detected(Reason.HUNG, None, f"attempt {st.attempt} ({sid}) never appeared on the Ray head "
+                                  f"{idle:.0f} s after its submission (progressDeadlineSeconds {deadline})",
+                                  checkpoint=False, job_active=False)
             if c.ready:
                 b.act(EnsureChildren())
                 b.act(Submit(sid, st.attempt))

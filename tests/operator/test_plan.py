@@ -169,6 +169,25 @@ ROWS = [
         2.0),
     Row("running-not-confirmed-cluster-not-ready", job(running_status(submissionConfirmed=False)),
         obs(NOT_READY, p.RayJobState.NOT_FOUND), Phase.RUNNING, [], {}, [], 2.0),
+    # a recorded submission the head never shows: resubmitted each poll, but suspend, node health, the progress
+    # deadline (counted from the submission) and maxRestarts still apply
+    Row("running-not-confirmed-never-appears-past-deadline",
+        job(running_status(submissionConfirmed=False, lastProgressTime=ago(1801))), obs(READY, p.RayJobState.NOT_FOUND),
+        Phase.RECOVERING, [], {"last_failure": lambda f: f.reason == "Hung" and "never appeared" in f.message,
+                               "recovery": lambda r: r.reason == "Hung" and r.not_before == later(15)}, ["Hung"], 0),
+    Row("running-not-confirmed-never-appears-restart-limit",
+        job(running_status(submissionConfirmed=False, lastProgressTime=ago(1801), restarts=3)),
+        obs(READY, p.RayJobState.NOT_FOUND), Phase.FAILED, [p.DeleteCluster()],
+        {"last_failure": lambda f: f.reason == "RestartLimitExceeded" and "never appeared" in f.message},
+        ["RestartLimitExceeded"], None),
+    Row("running-not-confirmed-suspend", job(running_status(submissionConfirmed=False), suspend=True),
+        obs(READY, p.RayJobState.NOT_FOUND), Phase.RECOVERING, [], {"recovery": lambda r: r.reason == "Suspend"},
+        ["Suspend"], 0),
+    Row("running-not-confirmed-node-replacement", job(running_status(submissionConfirmed=False),
+                                                      resilience__hyperPod=True),
+        obs(READY, p.RayJobState.NOT_FOUND, health=ANNOUNCED), Phase.RECOVERING, [],
+        {"recovery": lambda r: r.reason == "NodeReplacement" and r.checkpoint_requested_at is None},
+        ["NodeReplacement"], 0),
     Row("running-step-advances", job(running_status()), obs(t=trainer(13, 10)), Phase.RUNNING, [],
         {"last_progress_time": format_time(NOW)}, [], 2.0),
     Row("running-no-advance-no-write", job(running_status()), obs(t=trainer(12, 10)), Phase.RUNNING, [], {}, [], 2.0,
@@ -554,6 +573,21 @@ def test_recovery_resubmits_at_once_with_evidence_that_the_old_attempt_ended(evi
          "job failed": obs(state=p.RayJobState.FAILED)}[evidence]
     st, r = _walk(st, 0, o)
     assert ("Submit", "a2") in _kinds(r) and st["attempt"] == 2
+
+
+def test_a_submission_that_never_lands_is_retried_until_the_progress_deadline_then_restarted() -> None:
+    """Ray refuses attempt 1 on every poll (its head reports NOT_FOUND): the same id is submitted again, never a new
+    one, until progressDeadlineSeconds (1800 s) after the submission; then it is a Hung failure and, after the
+    backoff, attempt 2 goes in (one restart)."""
+    st = running_status(submissionConfirmed=False, lastProgressTime=ago(0))
+    not_found = obs(READY, p.RayJobState.NOT_FOUND)
+    for t in range(0, 1800, 300):
+        st, r = _walk(st, t, not_found)
+        assert _kinds(r) == [("EnsureChildren", ""), ("Submit", "a1")] and st["phase"] == "Running"
+    st, r = _walk(st, 1801, not_found)
+    assert r.phase == Phase.RECOVERING and [e.reason for e in r.events] == ["Hung"] and _kinds(r) == []
+    st, r = _walk(st, 1801 + 16, not_found)
+    assert ("Submit", "a2") in _kinds(r) and (st["attempt"], st["restarts"]) == (2, 1)
 
 
 def test_success_reports_the_steps_the_trainer_ran_not_a_later_spec_edit() -> None:
