@@ -162,13 +162,22 @@ def _int_or_none(v: Any) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointCall:
-    """The operator's ``POST /checkpoint`` for the current attempt: ``in_flight`` while waiting, then ``step``/``path``
-    of the written checkpoint or ``error``."""
+    """The operator's ``POST /checkpoint`` (or ``POST /stop``) for the current attempt: ``in_flight`` while waiting,
+    then ``step``/``path`` of the written checkpoint or ``error`` with ``http_status`` (the trainer's HTTP status; 0
+    when it did not answer; ``None`` for an answer without a usable body)."""
 
     in_flight: bool = False
     step: int | None = None
     path: str | None = None
     error: str | None = None
+    http_status: int | None = None
+
+    @property
+    def retryable(self) -> bool:
+        """Failed in a way that asking again may mend: no HTTP answer (connection reset, refused) or 401 (the token
+        Secret was replaced; the handler reads it again). 409 (the trainer ended), 500 (the save failed), 504 (no
+        step boundary within the wait) and any other answer are final."""
+        return self.error is not None and self.http_status in (0, 401)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -694,7 +703,7 @@ def _checkpointing(b: _Builder) -> Plan:
     if done is not None and done >= target:
         path = _record_checkpoint(b, done)
         b.event("CheckpointTaken", f"checkpoint at step {done} written ({path}); stopping attempt {st.attempt}")
-    elif o.checkpoint_call.error:
+    elif o.checkpoint_call.error and not (o.checkpoint_call.retryable and waited <= timeout):
         b.event("CheckpointFailed", f"checkpoint request failed: {o.checkpoint_call.error}; stopping anyway",
                 EventType.WARNING)
     elif waited > timeout:
@@ -702,7 +711,8 @@ def _checkpointing(b: _Builder) -> Plan:
                 f"(checkpointTimeoutSeconds {timeout}); stopping anyway", EventType.WARNING)
     else:
         if not o.checkpoint_call.in_flight and o.trainer.reachable:
-            b.act(RequestCheckpoint(st.submission_id or "", target))  # after an operator restart: ask again
+            # after an operator restart, or a call that failed on the way (no answer, 401): ask again, once per look
+            b.act(RequestCheckpoint(st.submission_id or "", target))
         return b.requeue(min(b.timing.poll, max(0.0, timeout - waited)))
     rec.stop_requested_at = b.now_s()
     b.set(recovery=rec)

@@ -309,8 +309,31 @@ ROWS = [
         ["CheckpointTimeout", "Recovering"]),
     Row("checkpointing-call-failed", job(running_status(phase="Checkpointing", recovery=dict(
         RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
-        obs(t=trainer(12, 10), call=p.CheckpointCall(error="HTTP 500: disk full")), Phase.RECOVERING,
-        [p.StopJob(sid(1))], {}, ["CheckpointFailed", "Recovering"]),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(error="POST /stop: HTTP 500: disk full", http_status=500)),
+        Phase.RECOVERING, [p.StopJob(sid(1))], {}, ["CheckpointFailed", "Recovering"]),
+    Row("checkpointing-call-trainer-ended", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(error="POST /stop: HTTP 409: trainer already failed",
+                                                     http_status=409)),
+        Phase.RECOVERING, [p.StopJob(sid(1))], {}, ["CheckpointFailed", "Recovering"]),
+    # no answer (a connection reset) or 401 (the token Secret was replaced): ask again at the next look while
+    # checkpointTimeoutSeconds lasts, stop only after it
+    Row("checkpointing-call-no-answer-asks-again", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(error="trainer did not answer: connection reset", http_status=0)),
+        Phase.CHECKPOINTING, [p.RequestCheckpoint(sid(1), 12)], {}, [], 2.0),
+    Row("checkpointing-call-401-asks-again", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(error="POST /stop: HTTP 401: wrong token", http_status=401)),
+        Phase.CHECKPOINTING, [p.RequestCheckpoint(sid(1), 12)], {}, [], 2.0),
+    Row("checkpointing-call-no-answer-trainer-unreachable-waits", job(running_status(
+        phase="Checkpointing", recovery=dict(RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(call=p.CheckpointCall(error="trainer did not answer: connection refused", http_status=0)),
+        Phase.CHECKPOINTING, [], {}, [], 2.0),
+    Row("checkpointing-call-no-answer-past-timeout", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(301), stopRequestedAt=None))),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(error="trainer did not answer: connection reset", http_status=0)),
+        Phase.RECOVERING, [p.StopJob(sid(1))], {}, ["CheckpointFailed", "Recovering"]),
     Row("checkpointing-job-ended", job(running_status(phase="Checkpointing", recovery=dict(
         RECOVERING, stopRequestedAt=None))), obs(state=p.RayJobState.FAILED, message="node died"),
         Phase.RECOVERING, [], {"recovery": lambda r: r.stop_requested_at == format_time(NOW)}, ["Recovering"], 0),
