@@ -542,6 +542,10 @@ class _Builder:
 
 # ------------------------------------------------------------------------------------------------ phases
 def _invalid(b: _Builder) -> Plan:
+    """A job that is not Succeeded or Failed for another reason has an invalid spec: Failed (InvalidSpec), and its
+    RayCluster deleted as for any failed job (a Ray job still running goes with it and releases its GPUs)."""
+    if b.o.cluster.exists and not b.o.cluster.deleting:
+        b.act(DeleteCluster())
     msg = "; ".join(f"{p}: {m}" for p, m in b.job.spec_errors) or "invalid spec"
     last = b.st.last_failure
     if not (b.st.phase == Phase.FAILED and last is not None and last.reason == Reason.INVALID_SPEC.value
@@ -834,10 +838,9 @@ def _suspended(b: _Builder) -> Plan:
 
 
 def _succeeded(b: _Builder) -> Plan:
-    assert b.spec is not None
     if b.o.cluster.exists and not b.o.cluster.deleting:
         b.act(DeleteCluster())
-    if b.spec.serving.enabled and not b.o.serving_exists and b.job.serving_lora_uri:
+    if b.spec is not None and b.spec.serving.enabled and not b.o.serving_exists and b.job.serving_lora_uri:
         adapter = b.st.adapter_path or api.adapter_export_path(b.spec.checkpoint.path, b.job.namespace, b.job.name)
         b.set(serving_name=api.rayservice_name(b.job.name))
         b.act(EnsureServing(adapter))
@@ -872,15 +875,19 @@ def plan(job: JobView, observed: Observed, now: dt.datetime, timing: Timing = Ti
         timing: poll interval and unreachable grace.
 
     Returns:
-        The :class:`Plan`. Invalid spec: phase Failed with ``lastFailure.reason`` InvalidSpec and no actions (no
-        children are created); fixing the spec resumes from Pending (nothing submitted yet) or Recovering.
+        The :class:`Plan`. Invalid spec: a Succeeded or Failed job stays so (its usual plan: free the RayCluster);
+        any other becomes Failed with ``lastFailure.reason`` InvalidSpec, its RayCluster deleted and no children
+        created; fixing the spec of such a job resumes from Pending (nothing submitted yet) or Recovering.
     """
     b = _Builder(job, observed, now, timing)
-    if job.spec is None:
-        return _invalid(b)
     phase = job.status.phase or Phase.PENDING
     last = job.status.last_failure
-    if phase == Phase.FAILED and last is not None and last.reason == Reason.INVALID_SPEC.value:
+    invalid_before = phase == Phase.FAILED and last is not None and last.reason == Reason.INVALID_SPEC.value
+    if job.spec is None:
+        if phase == Phase.SUCCEEDED or (phase == Phase.FAILED and not invalid_before):
+            return _PHASES[phase](b)  # terminal: an edit after the end changes nothing
+        return _invalid(b)
+    if invalid_before:
         phase = Phase.PENDING if job.status.attempt == 0 else Phase.RECOVERING
         b.plan.phase = phase
         b.set(last_failure=None, completion_time=None)

@@ -130,6 +130,17 @@ ROWS = [
     Row("invalid-spec-fixed", job({"phase": "Failed", "lastFailure": {"reason": "InvalidSpec", "message": "x"}}),
         obs(GONE, p.RayJobState.NOT_FOUND), Phase.PROVISIONING, [p.EnsureChildren()],
         {"last_failure": None, "ray_cluster_name": "local-tiny-ray"}, ["AsExpected", "Provisioning"], 0),
+    # Succeeded and Failed stay terminal whatever the spec becomes; an active job turning invalid frees its cluster
+    Row("invalid-spec-after-success-stays-succeeded", job(running_status(phase="Succeeded"), environment__size=8),
+        obs(GONE, p.RayJobState.UNREACHABLE), Phase.SUCCEEDED, [], {}, [], None, check=lambda plan: plan.status == {}),
+    Row("invalid-spec-after-success-frees-cluster", job(running_status(phase="Succeeded"), environment__size=8),
+        obs(state=p.RayJobState.SUCCEEDED), Phase.SUCCEEDED, [p.DeleteCluster()], {}, [], None),
+    Row("invalid-spec-after-failure-keeps-its-reason",
+        job(running_status(phase="Failed", lastFailure={"reason": "RestartLimitExceeded"}), environment__size=8),
+        obs(GONE, p.RayJobState.UNREACHABLE), Phase.FAILED, [], {}, [], None, check=lambda plan: plan.status == {}),
+    Row("invalid-spec-while-running-frees-cluster", job(running_status(), environment__size=8),
+        obs(t=trainer(12, 10)), Phase.FAILED, [p.DeleteCluster()],
+        {"last_failure": lambda f: f.reason == "InvalidSpec"}, ["InvalidSpec"], None),
     # ---------------------------------------------------------------------------------------------- Pending
     Row("pending-new", job(), obs(GONE, p.RayJobState.NOT_FOUND), Phase.PROVISIONING, [p.EnsureChildren()],
         {"ray_cluster_name": "local-tiny-ray"}, ["Provisioning"], 0),
