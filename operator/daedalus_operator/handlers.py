@@ -567,7 +567,7 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
         logger.info(f"Ray job {action.submission_id} {'submitted' if result.created else 'was already submitted'}")
     elif isinstance(action, RequestCheckpoint):
         previous = rt.calls.get(action.submission_id)
-        if previous.error and "HTTP 401" in previous.error:
+        if previous.error and previous.http_status == 401:
             rt.tokens.pop(job.uid, None)  # the Secret was replaced: read the token again
         if not c.control_url:
             raise RayUnreachable("no head address for the checkpoint request")

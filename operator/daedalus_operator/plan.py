@@ -162,13 +162,22 @@ def _int_or_none(v: Any) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointCall:
-    """The operator's ``POST /checkpoint`` for the current attempt: ``in_flight`` while waiting, then ``step``/``path``
-    of the written checkpoint or ``error``."""
+    """The operator's ``POST /checkpoint`` (or ``POST /stop``) for the current attempt: ``in_flight`` while waiting,
+    then ``step``/``path`` of the written checkpoint or ``error`` with ``http_status`` (the trainer's HTTP status; 0
+    when it did not answer; ``None`` for an answer without a usable body)."""
 
     in_flight: bool = False
     step: int | None = None
     path: str | None = None
     error: str | None = None
+    http_status: int | None = None
+
+    @property
+    def retryable(self) -> bool:
+        """Failed in a way that asking again may mend: no HTTP answer (connection reset, refused) or 401 (the token
+        Secret was replaced; the handler reads it again). 409 (the trainer ended), 500 (the save failed), 504 (no
+        step boundary within the wait) and any other answer are final."""
+        return self.error is not None and self.http_status in (0, 401)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,6 +542,10 @@ class _Builder:
 
 # ------------------------------------------------------------------------------------------------ phases
 def _invalid(b: _Builder) -> Plan:
+    """A job that is not Succeeded or Failed for another reason has an invalid spec: Failed (InvalidSpec), and its
+    RayCluster deleted as for any failed job (a Ray job still running goes with it and releases its GPUs)."""
+    if b.o.cluster.exists and not b.o.cluster.deleting:
+        b.act(DeleteCluster())
     msg = "; ".join(f"{p}: {m}" for p, m in b.job.spec_errors) or "invalid spec"
     last = b.st.last_failure
     if not (b.st.phase == Phase.FAILED and last is not None and last.reason == Reason.INVALID_SPEC.value
@@ -593,7 +606,22 @@ def _running(b: _Builder) -> Plan:
 
     if not st.submission_confirmed:
         if j.state == RayJobState.NOT_FOUND:
-            # Decided and recorded, but the head does not know it: the submit failed or never ran (operator restart).
+            # Decided and recorded, but the head does not know it: the submit failed or never ran (operator restart),
+            # or Ray keeps refusing it. Nothing runs, so nothing to checkpoint; suspend, node health and the progress
+            # deadline (last_progress_time is the submission time) still apply, so a submission that never lands is
+            # a failed attempt (Hung, counted against maxRestarts), not a resubmission every poll forever.
+            if b.spec.suspend:
+                return b.detected(Reason.SUSPEND, None, "spec.suspend is true", checkpoint=False, job_active=False)
+            issue = o.health.first_issue()
+            if issue is not None:
+                reason, node, message = issue
+                return b.detected(reason, node, message, checkpoint=False, job_active=False)
+            idle = b.seconds_since(st.last_progress_time)
+            deadline = b.spec.resilience.progress_deadline_seconds
+            if idle is not None and idle > deadline:
+                return b.detected(Reason.HUNG, None, f"attempt {st.attempt} ({sid}) never appeared on the Ray head "
+                                  f"{idle:.0f} s after its submission (progressDeadlineSeconds {deadline})",
+                                  checkpoint=False, job_active=False)
             if c.ready:
                 b.act(EnsureChildren())
                 b.act(Submit(sid, st.attempt))
@@ -659,7 +687,11 @@ def _checkpointing(b: _Builder) -> Plan:
     done = max(steps) if steps else None
     if j.state == RayJobState.SUCCEEDED and _finished(b, done):
         return b.succeed()
-    if not j.state.active:  # ended: on our POST /stop (exit 0 after the checkpoint), or failed meanwhile
+    # Ended: on our POST /stop (exit 0 after the checkpoint), or failed meanwhile; or the RayCluster is gone. A
+    # dashboard that did not answer (UNREACHABLE: one timeout on a busy head) is no such evidence: the trainer may be
+    # writing the checkpoint; the wait below (checkpointTimeoutSeconds) bounds it.
+    if j.state.ended or j.state == RayJobState.NOT_FOUND or (
+            j.state == RayJobState.UNREACHABLE and (not o.cluster.exists or o.cluster.deleting)):
         rec.stop_requested_at = rec.stop_requested_at or b.now_s()
         b.set(recovery=rec)
         if done is not None and done >= target:
@@ -675,7 +707,7 @@ def _checkpointing(b: _Builder) -> Plan:
     if done is not None and done >= target:
         path = _record_checkpoint(b, done)
         b.event("CheckpointTaken", f"checkpoint at step {done} written ({path}); stopping attempt {st.attempt}")
-    elif o.checkpoint_call.error:
+    elif o.checkpoint_call.error and not (o.checkpoint_call.retryable and waited <= timeout):
         b.event("CheckpointFailed", f"checkpoint request failed: {o.checkpoint_call.error}; stopping anyway",
                 EventType.WARNING)
     elif waited > timeout:
@@ -683,7 +715,8 @@ def _checkpointing(b: _Builder) -> Plan:
                 f"(checkpointTimeoutSeconds {timeout}); stopping anyway", EventType.WARNING)
     else:
         if not o.checkpoint_call.in_flight and o.trainer.reachable:
-            b.act(RequestCheckpoint(st.submission_id or "", target))  # after an operator restart: ask again
+            # after an operator restart, or a call that failed on the way (no answer, 401): ask again, once per look
+            b.act(RequestCheckpoint(st.submission_id or "", target))
         return b.requeue(min(b.timing.poll, max(0.0, timeout - waited)))
     rec.stop_requested_at = b.now_s()
     b.set(recovery=rec)
@@ -805,10 +838,9 @@ def _suspended(b: _Builder) -> Plan:
 
 
 def _succeeded(b: _Builder) -> Plan:
-    assert b.spec is not None
     if b.o.cluster.exists and not b.o.cluster.deleting:
         b.act(DeleteCluster())
-    if b.spec.serving.enabled and not b.o.serving_exists and b.job.serving_lora_uri:
+    if b.spec is not None and b.spec.serving.enabled and not b.o.serving_exists and b.job.serving_lora_uri:
         adapter = b.st.adapter_path or api.adapter_export_path(b.spec.checkpoint.path, b.job.namespace, b.job.name)
         b.set(serving_name=api.rayservice_name(b.job.name))
         b.act(EnsureServing(adapter))
@@ -843,15 +875,19 @@ def plan(job: JobView, observed: Observed, now: dt.datetime, timing: Timing = Ti
         timing: poll interval and unreachable grace.
 
     Returns:
-        The :class:`Plan`. Invalid spec: phase Failed with ``lastFailure.reason`` InvalidSpec and no actions (no
-        children are created); fixing the spec resumes from Pending (nothing submitted yet) or Recovering.
+        The :class:`Plan`. Invalid spec: a Succeeded or Failed job stays so (its usual plan: free the RayCluster);
+        any other becomes Failed with ``lastFailure.reason`` InvalidSpec, its RayCluster deleted and no children
+        created; fixing the spec of such a job resumes from Pending (nothing submitted yet) or Recovering.
     """
     b = _Builder(job, observed, now, timing)
-    if job.spec is None:
-        return _invalid(b)
     phase = job.status.phase or Phase.PENDING
     last = job.status.last_failure
-    if phase == Phase.FAILED and last is not None and last.reason == Reason.INVALID_SPEC.value:
+    invalid_before = phase == Phase.FAILED and last is not None and last.reason == Reason.INVALID_SPEC.value
+    if job.spec is None:
+        if phase == Phase.SUCCEEDED or (phase == Phase.FAILED and not invalid_before):
+            return _PHASES[phase](b)  # terminal: an edit after the end changes nothing
+        return _invalid(b)
+    if invalid_before:
         phase = Phase.PENDING if job.status.attempt == 0 else Phase.RECOVERING
         b.plan.phase = phase
         b.set(last_failure=None, completion_time=None)

@@ -274,7 +274,9 @@ class CheckpointCalls:
             try:
                 doc = control.stop(wait_seconds) if stop else control.checkpoint(wait_seconds)
                 result = CheckpointCall(step=int(doc["step"]), path=str(doc.get("path", "")))
-            except (ControlError, KeyError, TypeError, ValueError) as exc:
+            except ControlError as exc:
+                result = CheckpointCall(error=str(exc), http_status=exc.status)
+            except (KeyError, TypeError, ValueError) as exc:  # an answer without a usable {step, path}
                 result = CheckpointCall(error=str(exc))
             with self._lock:
                 self._calls[key] = result

@@ -3,6 +3,11 @@ never hand the planner an empty view of the pods or nodes (which reads as "every
 
 from __future__ import annotations
 
+import http.server
+import json
+import logging
+import threading
+import time
 from pathlib import Path
 
 import kopf
@@ -10,8 +15,10 @@ import pytest
 import yaml
 
 from daedalus_operator import api
-from daedalus_operator.handlers import Runtime, gather, job_view
+from daedalus_operator.handlers import Runtime, execute, gather, job_view
 from daedalus_operator.metrics import WAKE_REASONS, OperatorMetrics
+from daedalus_operator.nodes import ClusterState
+from daedalus_operator.plan import Observed, RequestCheckpoint
 from daedalus_operator.settings import OperatorSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,6 +71,62 @@ def test_an_index_that_cannot_be_read_skips_the_reconcile(which: str, index: Ind
                which: index}
     with pytest.raises(kopf.TemporaryError):
         gather(_rt(), _job(), indexes)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoint requests
+class SecretOnly:
+    """The one Kubernetes read ``RequestCheckpoint`` makes: the job's token Secret."""
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def get(self, key: str, namespace: str, name: str) -> dict:
+        assert (namespace, name) == ("ml", api.secret_name("local-tiny")), (namespace, name)
+        return {"stringData": {api.TOKEN_KEY: self.token}}
+
+
+def test_a_checkpoint_request_refused_with_401_is_asked_again_with_the_token_read_again() -> None:
+    """The Secret was replaced after this process cached its token: POST /stop answers 401; the planner asks again
+    (CheckpointCall.retryable) and execute reads the token from the Secret again instead of the cached one."""
+    seen: list[str] = []
+
+    class Trainer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's hook
+            seen.append(self.headers.get("Authorization", ""))
+            ok = seen[-1] == "Bearer new"
+            body = json.dumps({"step": 13, "path": "/c/13"} if ok else {"error": "wrong token"}).encode()
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trainer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rt = _rt()
+        job = _job()
+        rt.kube = SecretOnly("new")
+        rt.tokens[job.uid] = "old"
+        observed = Observed(cluster=ClusterState(exists=True, ready=True, head_host="127.0.0.1",
+                                                 control_port=server.server_address[1]))
+        action = RequestCheckpoint(job.status.submission_id, 12)
+
+        def settled():
+            deadline = time.monotonic() + 10
+            while rt.calls.get(action.submission_id).in_flight and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return rt.calls.get(action.submission_id)
+
+        execute(rt, job, observed, action, logging.getLogger("test"))
+        assert settled().http_status == 401 and seen == ["Bearer old"]
+        execute(rt, job, observed, action, logging.getLogger("test"))
+        assert settled().step == 13 and seen == ["Bearer old", "Bearer new"]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # ------------------------------------------------------------------------------------------------ the poll budget

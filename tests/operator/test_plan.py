@@ -130,6 +130,17 @@ ROWS = [
     Row("invalid-spec-fixed", job({"phase": "Failed", "lastFailure": {"reason": "InvalidSpec", "message": "x"}}),
         obs(GONE, p.RayJobState.NOT_FOUND), Phase.PROVISIONING, [p.EnsureChildren()],
         {"last_failure": None, "ray_cluster_name": "local-tiny-ray"}, ["AsExpected", "Provisioning"], 0),
+    # Succeeded and Failed stay terminal whatever the spec becomes; an active job turning invalid frees its cluster
+    Row("invalid-spec-after-success-stays-succeeded", job(running_status(phase="Succeeded"), environment__size=8),
+        obs(GONE, p.RayJobState.UNREACHABLE), Phase.SUCCEEDED, [], {}, [], None, check=lambda plan: plan.status == {}),
+    Row("invalid-spec-after-success-frees-cluster", job(running_status(phase="Succeeded"), environment__size=8),
+        obs(state=p.RayJobState.SUCCEEDED), Phase.SUCCEEDED, [p.DeleteCluster()], {}, [], None),
+    Row("invalid-spec-after-failure-keeps-its-reason",
+        job(running_status(phase="Failed", lastFailure={"reason": "RestartLimitExceeded"}), environment__size=8),
+        obs(GONE, p.RayJobState.UNREACHABLE), Phase.FAILED, [], {}, [], None, check=lambda plan: plan.status == {}),
+    Row("invalid-spec-while-running-frees-cluster", job(running_status(), environment__size=8),
+        obs(t=trainer(12, 10)), Phase.FAILED, [p.DeleteCluster()],
+        {"last_failure": lambda f: f.reason == "InvalidSpec"}, ["InvalidSpec"], None),
     # ---------------------------------------------------------------------------------------------- Pending
     Row("pending-new", job(), obs(GONE, p.RayJobState.NOT_FOUND), Phase.PROVISIONING, [p.EnsureChildren()],
         {"ray_cluster_name": "local-tiny-ray"}, ["Provisioning"], 0),
@@ -169,6 +180,25 @@ ROWS = [
         2.0),
     Row("running-not-confirmed-cluster-not-ready", job(running_status(submissionConfirmed=False)),
         obs(NOT_READY, p.RayJobState.NOT_FOUND), Phase.RUNNING, [], {}, [], 2.0),
+    # a recorded submission the head never shows: resubmitted each poll, but suspend, node health, the progress
+    # deadline (counted from the submission) and maxRestarts still apply
+    Row("running-not-confirmed-never-appears-past-deadline",
+        job(running_status(submissionConfirmed=False, lastProgressTime=ago(1801))), obs(READY, p.RayJobState.NOT_FOUND),
+        Phase.RECOVERING, [], {"last_failure": lambda f: f.reason == "Hung" and "never appeared" in f.message,
+                               "recovery": lambda r: r.reason == "Hung" and r.not_before == later(15)}, ["Hung"], 0),
+    Row("running-not-confirmed-never-appears-restart-limit",
+        job(running_status(submissionConfirmed=False, lastProgressTime=ago(1801), restarts=3)),
+        obs(READY, p.RayJobState.NOT_FOUND), Phase.FAILED, [p.DeleteCluster()],
+        {"last_failure": lambda f: f.reason == "RestartLimitExceeded" and "never appeared" in f.message},
+        ["RestartLimitExceeded"], None),
+    Row("running-not-confirmed-suspend", job(running_status(submissionConfirmed=False), suspend=True),
+        obs(READY, p.RayJobState.NOT_FOUND), Phase.RECOVERING, [], {"recovery": lambda r: r.reason == "Suspend"},
+        ["Suspend"], 0),
+    Row("running-not-confirmed-node-replacement", job(running_status(submissionConfirmed=False),
+                                                      resilience__hyperPod=True),
+        obs(READY, p.RayJobState.NOT_FOUND, health=ANNOUNCED), Phase.RECOVERING, [],
+        {"recovery": lambda r: r.reason == "NodeReplacement" and r.checkpoint_requested_at is None},
+        ["NodeReplacement"], 0),
     Row("running-step-advances", job(running_status()), obs(t=trainer(13, 10)), Phase.RUNNING, [],
         {"last_progress_time": format_time(NOW)}, [], 2.0),
     Row("running-no-advance-no-write", job(running_status()), obs(t=trainer(12, 10)), Phase.RUNNING, [], {}, [], 2.0,
@@ -290,11 +320,52 @@ ROWS = [
         ["CheckpointTimeout", "Recovering"]),
     Row("checkpointing-call-failed", job(running_status(phase="Checkpointing", recovery=dict(
         RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
-        obs(t=trainer(12, 10), call=p.CheckpointCall(error="HTTP 500: disk full")), Phase.RECOVERING,
-        [p.StopJob(sid(1))], {}, ["CheckpointFailed", "Recovering"]),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(error="POST /stop: HTTP 500: disk full", http_status=500)),
+        Phase.RECOVERING, [p.StopJob(sid(1))], {}, ["CheckpointFailed", "Recovering"]),
+    Row("checkpointing-call-trainer-ended", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(error="POST /stop: HTTP 409: trainer already failed",
+                                                     http_status=409)),
+        Phase.RECOVERING, [p.StopJob(sid(1))], {}, ["CheckpointFailed", "Recovering"]),
+    # no answer (a connection reset) or 401 (the token Secret was replaced): ask again at the next look while
+    # checkpointTimeoutSeconds lasts, stop only after it
+    Row("checkpointing-call-no-answer-asks-again", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(error="trainer did not answer: connection reset", http_status=0)),
+        Phase.CHECKPOINTING, [p.RequestCheckpoint(sid(1), 12)], {}, [], 2.0),
+    Row("checkpointing-call-401-asks-again", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(error="POST /stop: HTTP 401: wrong token", http_status=401)),
+        Phase.CHECKPOINTING, [p.RequestCheckpoint(sid(1), 12)], {}, [], 2.0),
+    Row("checkpointing-call-no-answer-trainer-unreachable-waits", job(running_status(
+        phase="Checkpointing", recovery=dict(RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(call=p.CheckpointCall(error="trainer did not answer: connection refused", http_status=0)),
+        Phase.CHECKPOINTING, [], {}, [], 2.0),
+    Row("checkpointing-call-no-answer-past-timeout", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(301), stopRequestedAt=None))),
+        obs(t=trainer(12, 10), call=p.CheckpointCall(error="trainer did not answer: connection reset", http_status=0)),
+        Phase.RECOVERING, [p.StopJob(sid(1))], {}, ["CheckpointFailed", "Recovering"]),
     Row("checkpointing-job-ended", job(running_status(phase="Checkpointing", recovery=dict(
         RECOVERING, stopRequestedAt=None))), obs(state=p.RayJobState.FAILED, message="node died"),
         Phase.RECOVERING, [], {"recovery": lambda r: r.stop_requested_at == format_time(NOW)}, ["Recovering"], 0),
+    # one dashboard timeout is no evidence that the Ray job ended: keep waiting for the checkpoint (bounded by
+    # checkpointTimeoutSeconds), never go on to StopJob the trainer mid-checkpoint
+    Row("checkpointing-dashboard-timeout-keeps-waiting", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(state=p.RayJobState.UNREACHABLE, message="timeout", call=p.CheckpointCall(in_flight=True)),
+        Phase.CHECKPOINTING, [], {}, [], 2.0, check=lambda plan: "recovery" not in plan.status),
+    Row("checkpointing-dashboard-timeout-checkpoint-written", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))),
+        obs(state=p.RayJobState.UNREACHABLE, message="timeout", call=p.CheckpointCall(step=13, path="/c/13")),
+        Phase.RECOVERING, [p.StopJob(sid(1))], {"latest_checkpoint": lambda c: c.step == 13},
+        ["CheckpointTaken", "Recovering"]),
+    Row("checkpointing-dashboard-timeout-past-checkpoint-timeout", job(running_status(
+        phase="Checkpointing", recovery=dict(RECOVERING, checkpointRequestedAt=ago(301), stopRequestedAt=None))),
+        obs(state=p.RayJobState.UNREACHABLE, message="timeout", call=p.CheckpointCall(in_flight=True)),
+        Phase.RECOVERING, [p.StopJob(sid(1))], {}, ["CheckpointTimeout", "Recovering"]),
+    Row("checkpointing-cluster-gone", job(running_status(phase="Checkpointing", recovery=dict(
+        RECOVERING, checkpointRequestedAt=ago(5), stopRequestedAt=None))), obs(GONE, p.RayJobState.UNREACHABLE),
+        Phase.RECOVERING, [], {}, ["Recovering"], 0),
     Row("checkpointing-job-finished-all-steps", job(running_status(phase="Checkpointing", recovery=RECOVERING,
                                                                   currentStep=40)),
         obs(state=p.RayJobState.SUCCEEDED), Phase.SUCCEEDED, [p.DeleteCluster()], {"recovery": None}, ["Succeeded"],
@@ -536,6 +607,21 @@ def test_recovery_resubmits_at_once_with_evidence_that_the_old_attempt_ended(evi
          "job failed": obs(state=p.RayJobState.FAILED)}[evidence]
     st, r = _walk(st, 0, o)
     assert ("Submit", "a2") in _kinds(r) and st["attempt"] == 2
+
+
+def test_a_submission_that_never_lands_is_retried_until_the_progress_deadline_then_restarted() -> None:
+    """Ray refuses attempt 1 on every poll (its head reports NOT_FOUND): the same id is submitted again, never a new
+    one, until progressDeadlineSeconds (1800 s) after the submission; then it is a Hung failure and, after the
+    backoff, attempt 2 goes in (one restart)."""
+    st = running_status(submissionConfirmed=False, lastProgressTime=ago(0))
+    not_found = obs(READY, p.RayJobState.NOT_FOUND)
+    for t in range(0, 1800, 300):
+        st, r = _walk(st, t, not_found)
+        assert _kinds(r) == [("EnsureChildren", ""), ("Submit", "a1")] and st["phase"] == "Running"
+    st, r = _walk(st, 1801, not_found)
+    assert r.phase == Phase.RECOVERING and [e.reason for e in r.events] == ["Hung"] and _kinds(r) == []
+    st, r = _walk(st, 1801 + 16, not_found)
+    assert ("Submit", "a2") in _kinds(r) and (st["attempt"], st["restarts"]) == (2, 1)
 
 
 def test_success_reports_the_steps_the_trainer_ran_not_a_later_spec_edit() -> None:

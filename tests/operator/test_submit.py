@@ -68,6 +68,52 @@ def test_unreachable_dashboard_is_bounded() -> None:
     assert time.monotonic() - t0 < 10
 
 
+def test_a_failed_checkpoint_call_records_the_http_status_and_may_be_started_again() -> None:
+    """The planner asks again after no answer (status 0) or 401, never after 409/500: the background call records
+    ControlError.status. A tiny HTTP server answers POST /stop with the status queued for it."""
+    import http.server
+    import threading
+
+    from ray_head import free_port
+
+    answers = [401, 409]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's hook
+            body = json.dumps({"error": "no"}).encode()
+            self.send_response(answers.pop(0))
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    def finished(calls: CheckpointCalls, key: str):
+        deadline = time.monotonic() + 10
+        while calls.get(key).in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return calls.get(key)
+
+    calls = CheckpointCalls()
+    assert calls.start("k-a1", TrainerControl(f"http://127.0.0.1:{free_port()}", timeout=1.0), 1, stop=True)
+    nobody = finished(calls, "k-a1")
+    assert nobody.error and nobody.http_status == 0 and nobody.retryable
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        control = TrainerControl(f"http://127.0.0.1:{server.server_address[1]}", token="t", timeout=1.0)
+        assert calls.start("k-a1", control, 1, stop=True)  # a failed call may be started again
+        refused = finished(calls, "k-a1")
+        assert refused.http_status == 401 and "HTTP 401" in refused.error and refused.retryable
+        assert calls.start("k-a1", control, 1, stop=True)
+        ended = finished(calls, "k-a1")
+        assert ended.http_status == 409 and not ended.retryable
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_control_client_against_standin_trainer(ray_head, tmp_path: Path) -> None:
     from ray_head import free_port
 
