@@ -436,6 +436,24 @@ def test_saving_the_latest_step_again_replaces_it(tmp_path: Path) -> None:
     assert load_latest(root).trainer_state.extra == {"second": True}
 
 
+def test_a_killed_resave_of_the_same_step_loses_neither_copy(tmp_path: Path) -> None:
+    """A save of the step `latest` names moves the old copy to .trash-* and then renames the new one in; a kill
+    between the two renames leaves neither `step-N` (with keep=1 nothing else either). Resume puts the old copy back
+    (it verifies) instead of starting over, and the next save's clean-up does too instead of deleting it."""
+    root = tmp_path / "ckpt"
+    save_steps(CheckpointManager(root, keep=1), [1, 2])
+    assert [s for s, _ in list_checkpoints(root)] == [2]
+    os.rename(root / "step-000002", root / ".trash-step-000002-0badc0de")  # the state the kill left
+    (root / ".tmp-step-000002-1234abcd").mkdir()  # and the new copy, never renamed in
+    assert load_latest(root) is None  # what resume saw before
+    loaded = CheckpointManager(root, keep=1).resume("latest")
+    assert loaded is not None and loaded.step == 2 and loaded.path.name == "step-000002"
+    os.rename(root / "step-000002", root / ".trash-step-000002-0badc0de")
+    save_steps(CheckpointManager(root, keep=2), [3])  # a save first: its clean-up restores, then rotates
+    assert [s for s, _ in list_checkpoints(root)] == [2, 3]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002", "step-000003"]
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Full disk
 # --------------------------------------------------------------------------------------------------------------------

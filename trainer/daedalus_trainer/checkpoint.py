@@ -794,10 +794,31 @@ class CheckpointManager:
         """:func:`resolve_resume` on this root (reads and verifies; moves nothing: call
         :meth:`abandon_other_timelines` once everything that could refuse the run has accepted it).
 
+        A checkpoint that a re-save of its own step had moved to ``.trash-*`` when the process died, before the new
+        copy took its place, is put back first (:meth:`_restore_replaced`).
+
         Raises:
             CheckpointError: see :func:`resolve_resume`.
         """
+        self._restore_replaced()
         return resolve_resume(resume, self.root)
+
+    def _restore_replaced(self) -> None:
+        """Put back ``.trash-step-N-*`` as ``step-N`` where ``step-N`` is missing and it verifies: a save of a step
+        that already had a checkpoint renames the old one to ``.trash-*`` just before renaming the new one in; a
+        kill between the two renames left neither name, and the next save's clean-up would have deleted it."""
+        if not self.root.is_dir():
+            return
+        for entry in sorted(self.root.iterdir()):
+            if not (entry.name.startswith(_TRASH_PREFIX) and entry.is_dir() and not entry.is_symlink()):
+                continue
+            name = entry.name[len(_TRASH_PREFIX):].rsplit("-", 1)[0]
+            if _step_of(name) is None or (self.root / name).exists() or verify_checkpoint(entry):
+                continue
+            log.warning("restoring %s as %s: a save of the same step was interrupted before its new copy was in "
+                        "place", entry.name, name)
+            os.rename(entry, self.root / name)
+            _fsync_path(self.root, directory=True)
 
     def abandon_other_timelines(self, loaded: LoadedCheckpoint | None) -> None:
         """Move aside every checkpoint here that a run resumed from ``loaded`` (``None``: a fresh start) does not
@@ -966,7 +987,9 @@ class CheckpointManager:
         _fsync_path(self.root, directory=True)
 
     def _remove_stale_temporaries(self) -> None:
-        """Remove what an interrupted save (``kill -9``) left behind. Single writer per root assumed."""
+        """Remove what an interrupted save (``kill -9``) left behind, after putting back a replaced checkpoint that
+        is the only copy of its step (:meth:`_restore_replaced`). Single writer per root assumed."""
+        self._restore_replaced()
         for entry in self.root.iterdir():
             if entry.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
                 log.info("removing leftover %s from an interrupted save", entry)
