@@ -949,7 +949,10 @@ class CheckpointManager:
         commit_time = time.time()
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
-        self._rotate(keep_name=name)
+        try:
+            self._rotate(keep_name=name)
+        except OSError as e:  # committed: a failed clean-up must not turn a good checkpoint into a failed save
+            log.warning("checkpoint %s saved, but removing old checkpoints (keep=%d) failed: %s", final, self.keep, e)
         info = CheckpointInfo(step=step, path=final, time=commit_time, bytes=total,
                               seconds=time.monotonic() - started)
         log.info("saved checkpoint %s (%d bytes in %.2f s)", final, info.bytes, info.seconds)
@@ -984,7 +987,11 @@ class CheckpointManager:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_path(self.root, directory=True)
+        try:
+            _fsync_path(self.root, directory=True)
+        except OSError as e:  # the pointer is replaced: failing now would delete the directory it names
+            log.warning("could not fsync %s after pointing %s at %s (%s): the pointer may not survive a power loss; "
+                        "load_latest then still finds the newest checkpoint that verifies", self.root, LATEST, name, e)
 
     def _remove_stale_temporaries(self) -> None:
         """Remove what an interrupted save (``kill -9``) left behind, after putting back a replaced checkpoint that
