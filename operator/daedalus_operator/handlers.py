@@ -738,7 +738,11 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     status = body.get("status") or {}
     problems: list[str] = []
     sid = status.get("submissionId")
-    cluster_body = rt.kube.get(kube.RAYCLUSTERS, namespace, api.raycluster_name(name)) if rt.kube else None
+    try:
+        cluster_body = rt.kube.get(kube.RAYCLUSTERS, namespace, api.raycluster_name(name)) if rt.kube else None
+    except kube.KubeError as e:  # within the deadline like every other failure here (kopf alone retries for ever)
+        problems.append(f"get raycluster/{api.raycluster_name(name)}: {e}")
+        cluster_body = None  # unknown: no Ray job stop; the deletes below are still tried
     cluster = read_cluster(cluster_body, control_port=rt.settings.control_port)
     if sid and cluster.dashboard_url and not cluster.deleting:
         try:
