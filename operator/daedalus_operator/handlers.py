@@ -192,11 +192,12 @@ def is_quiet(result: str, last: Plan, first_phase: str | None, status: dict[str,
     seconds), and kept the job in the phase it had (``first_phase``), one of :data:`QUIET_PHASES`; the job's
     ``status`` (after the reconcile) has no recovery under way (``recovery``: until its first new step is seen) and
     counts down no grace period (``unreachableSince``: a dashboard that stopped answering is looked at every tick
-    until it answers or its grace is over); and a ``Running`` job's ``trainer`` (what ``/status`` said in that
+    until it answers or its grace is over; nor the plan's ``in_grace``: a pod not Ready within ``--pod-ready-grace``,
+    which leaves nothing in status); and a ``Running`` job's ``trainer`` (what ``/status`` said in that
     reconcile) answered for the current attempt with a step past the one it started from (its ``resumedFrom``, else
     the job's latest checkpoint): an attempt is looked at every tick until it has made a step, the time in which an
     image, a volume or the model path fails."""
-    if not (result in ("ok", "requeue") and not last.actions and not last.events
+    if not (result in ("ok", "requeue") and not last.actions and not last.events and not last.in_grace
             and (last.requeue_after is None or last.requeue_after >= poll)
             and last.phase in QUIET_PHASES and last.phase.value == first_phase
             and not status.get("unreachableSince") and not status.get("recovery")):
@@ -641,7 +642,8 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
             trainer = observed.trainer
             rt.children(job.uid).note_cluster(observed.cluster.exists)
             now = _utcnow()
-            timing = Timing(poll=rt.settings.poll_interval, unreachable_grace=rt.settings.unreachable_grace)
+            timing = Timing(poll=rt.settings.poll_interval, unreachable_grace=rt.settings.unreachable_grace,
+                            pod_ready_grace=rt.settings.pod_ready_grace)
             last = plan(job, observed, now, timing)
             logger.debug(f"observed cluster ready={observed.cluster.ready} head={observed.cluster.head_host} "
                          f"pods={observed.health.pods}/{observed.health.ready_pods} ray={observed.ray_job.state.value} "

@@ -207,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS",
                    help="seconds an unanswering Ray dashboard is tolerated before the head counts as lost (>= 0; "
                         "0: lost at the second unanswered look)")
+    p.add_argument("--pod-ready-grace", type=_number("seconds", positive=False, zero="0: no grace"), default=60.0,
+                   metavar="SECONDS",
+                   help="seconds a Running job's pod may stay not Ready on a Ready node (a readiness probe failing "
+                        "under load) before it counts as lost; then the trainer, if it answers, checkpoints before "
+                        "the stop (>= 0; 0: lost at once; a pod on a gone or NotReady node is always lost at once)")
     p.add_argument("--request-timeout", type=_number("seconds", positive=True), default=5.0, metavar="SECONDS",
                    help="seconds per HTTP call to Ray/the trainer (> 0; calls to the API server get twice this)")
     p.add_argument("--deletion-timeout", type=_number("seconds", positive=False, zero="0: after one try"),
@@ -255,6 +260,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         poll_budget=args.poll_budget,
         idle_resync=args.idle_resync,
         unreachable_grace=args.unreachable_grace,
+        pod_ready_grace=args.pod_ready_grace,
         request_timeout=args.request_timeout,
         deletion_timeout=args.deletion_timeout,
         watch_timeout=args.watch_timeout,

@@ -62,13 +62,20 @@ class NodeIssue:
 @dataclasses.dataclass(frozen=True)
 class PodIssue:
     """A job pod that is no longer a healthy member of the attempt. ``role`` is ``head`` or ``worker``; ``reason`` is
-    one of PodFailed, PodDeleting, PodNotReady, PodReplaced, PodMissing (``pod`` is empty for PodMissing)."""
+    one of PodFailed, PodDeleting, PodNotReady, PodReplaced, PodMissing (``pod`` is empty for PodMissing).
+
+    ``not_ready_since`` is set only for a PodNotReady pod that may just be blinking: phase Running or Pending, on a
+    node that exists and is Ready; it is the ``lastTransitionTime`` of the pod's ``Ready`` condition (when Kubernetes
+    last flipped it), from which the planner counts the pod's grace period (:meth:`NodeHealth.within_grace`).
+    ``None`` for every other issue, including a not-Ready pod whose node is gone or not Ready, or whose ``Ready``
+    condition has no transition time: lost at once."""
 
     pod: str
     node: str | None
     role: str
     reason: str
     message: str
+    not_ready_since: dt.datetime | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +86,8 @@ class NodeHealth:
         announced: nodes HyperPod labelled UnschedulablePendingReplacement / UnschedulablePendingReboot.
         lost_nodes: nodes that are gone or not Ready (``Ready`` condition False/Unknown).
         lost_pods: pods that failed, are being deleted, are not Ready, were (re)created after the attempt started, or
-            are missing (fewer pods than the spec asks for).
+            are missing (fewer pods than the spec asks for). A not-Ready pod on a Ready node is listed at once; the
+            planner tolerates it for a grace period (:meth:`within_grace`).
         bad_pods: names of pods on nodes that must not run them (announced, HyperPod-unschedulable, not Ready,
             cordoned or gone), not already being deleted: deleted during recovery so that KubeRay recreates them on
             good nodes.
@@ -105,6 +113,35 @@ class NodeHealth:
         """True when the head pod failed, is being deleted, is not Ready, went missing or was replaced during the
         attempt (a new head is a new Ray cluster: the running Ray job is gone with the old one)."""
         return any(p.role == "head" for p in self.lost_pods)
+
+    def within_grace(self, now: dt.datetime, grace: float) -> tuple[NodeHealth, float | None]:
+        """This health without the not-Ready pods still inside their grace period, and the seconds until the first of
+        those runs out (``None`` when there is none).
+
+        A PodNotReady issue with ``not_ready_since`` (a Running or Pending pod on a Ready node) is tolerated while
+        ``now - not_ready_since <= grace`` seconds: a readiness probe failing for a few seconds under load is no lost
+        pod. ``grace`` 0 tolerates nothing. Every other issue is kept.
+        """
+        if grace <= 0:
+            return self, None
+        kept: list[PodIssue] = []
+        left: list[float] = []
+        for p in self.lost_pods:
+            waited = None if p.not_ready_since is None else (now - p.not_ready_since).total_seconds()
+            if waited is not None and waited <= grace:
+                left.append(grace - waited)
+            else:
+                kept.append(p)
+        if not left:
+            return self, None
+        return dataclasses.replace(self, lost_pods=tuple(kept)), min(left)
+
+    @property
+    def only_not_ready(self) -> bool:
+        """True when the only problems are pods not Ready on Ready nodes (PodNotReady with ``not_ready_since``): the
+        Ray pods and their nodes are all still there, so a checkpoint is worth asking for before stopping."""
+        return (bool(self.lost_pods) and not self.announced and not self.lost_nodes
+                and all(p.not_ready_since is not None for p in self.lost_pods))
 
     def first_issue(self) -> tuple[Reason, str | None, str] | None:
         """The most important problem as ``(reason, node, message)``, or ``None`` when healthy.
@@ -169,6 +206,14 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     status = pod.get("status") or {}
     c = _condition(pod, "Ready")
     return status.get("phase") == "Running" and c is not None and c.get("status") == "True"
+
+
+def _transition_time(condition: Mapping[str, Any] | None) -> dt.datetime | None:
+    """The condition's ``lastTransitionTime``, or ``None`` when it is absent or not RFC 3339."""
+    try:
+        return parse_time((condition or {}).get("lastTransitionTime"))
+    except (TypeError, ValueError):
+        return None
 
 
 def _terminated_reason(pod: Mapping[str, Any]) -> str:
@@ -243,7 +288,18 @@ def node_health(
             lost_pods.append(PodIssue(name, node, role, "PodReplaced",
                                       f"created {format_time(created)} after the attempt started {format_time(since)}"))
         elif since is not None and not is_ready:
-            lost_pods.append(PodIssue(name, node, role, "PodNotReady", f"phase {phase or 'Unknown'}, not Ready"))
+            host = nodes.get(node) if node else None
+            host_ready = host is not None and node_ready(host)
+            # a pod on a Ready node may be blinking (a readiness probe failing under load): the planner gives it a
+            # grace period from its Ready condition's last flip; on a gone or NotReady node it is lost at once
+            cond = _condition(pod, "Ready")
+            changed = _transition_time(cond) if (host_ready and phase in ("Running", "Pending") and cond is not None
+                                                 and cond.get("status") != "True") else None
+            where = (f" since {format_time(changed)}" if changed else "" if host_ready
+                     else ", on no node" if not node else f", node {node} gone" if host is None
+                     else f", node {node} not Ready")
+            lost_pods.append(PodIssue(name, node, role, "PodNotReady", f"phase {phase or 'Unknown'}, not Ready{where}",
+                                      not_ready_since=changed))
 
     announced: list[NodeIssue] = []
     lost_nodes: list[NodeIssue] = []

@@ -32,6 +32,9 @@ Failure handling, in DESIGN order:
    Never two attempts at once: the next attempt is submitted only with evidence that the previous one ended (its Ray
    job ended or is unknown to a reachable dashboard, or the head pod / RayCluster is newer than the attempt);
    otherwise the previous one is asked to stop, and after ``unreachable_grace`` the RayCluster is recreated.
+   A pod that is only not Ready (Running or Pending on a Ready node: a readiness probe failing under load) is lost
+   only once its ``Ready`` condition has been False for longer than ``pod_ready_grace``; then the trainer, when it
+   answers, is asked for a checkpoint before the stop. A pod on a gone or NotReady node is lost at once.
 4. Every resubmission counts against ``maxRestarts``; past it the job is Failed (RestartLimitExceeded).
    No step progress for ``progressDeadlineSeconds`` counts as hung: checkpoint if possible, then restart.
 """
@@ -219,10 +222,12 @@ class JobView:
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """Operator timing knobs (seconds): ``poll`` between looks while a job is active; ``unreachable_grace`` before an
-    unanswering dashboard counts as a lost head."""
+    unanswering dashboard counts as a lost head; ``pod_ready_grace`` before a Running job's pod that is not Ready on
+    a Ready node (its ``Ready`` condition False for longer than this) counts as lost (0: at once)."""
 
     poll: float = 2.0
     unreachable_grace: float = 60.0
+    pod_ready_grace: float = 60.0
 
 
 # ------------------------------------------------------------------------------------------------ actions
@@ -300,6 +305,8 @@ class Plan:
         requeue_after: look again after this many seconds (0: at once; ``None``: only on the next event/timer).
         restart_reason: set when this plan resubmits after a failure (metric ``daedalus_operator_restarts_total``).
         recovered: set when a recovery completed in this plan (metric ``daedalus_operator_recovery_seconds``).
+        in_grace: a Running job's pod is not Ready but still inside ``pod_ready_grace``: the job must be looked at on
+            every poll tick until that grace ends (never a quiet job, ``handlers.is_quiet``).
     """
 
     phase: Phase
@@ -309,6 +316,7 @@ class Plan:
     requeue_after: float | None = None
     restart_reason: str | None = None
     recovered: RecoveryRecord | None = None
+    in_grace: bool = False
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -603,6 +611,16 @@ def _running(b: _Builder) -> Plan:
     j = o.ray_job
     c = o.cluster
     sid = st.submission_id or ""
+    # A pod not Ready on a Ready node (a readiness probe failing for a few seconds under load) is no loss until it has
+    # been so for longer than pod_ready_grace; meanwhile look again when the first such grace ends. (A Ray job that
+    # ended is classified with every issue, o.health: a not-Ready pod is evidence of why.)
+    health, grace_left = o.health.within_grace(b.now, b.timing.pod_ready_grace)
+
+    def wait() -> Plan:
+        if grace_left is None:
+            return b.requeue()
+        b.plan.in_grace = True
+        return b.requeue(min(b.timing.poll, grace_left))
 
     if not st.submission_confirmed:
         if j.state == RayJobState.NOT_FOUND:
@@ -612,7 +630,7 @@ def _running(b: _Builder) -> Plan:
             # a failed attempt (Hung, counted against maxRestarts), not a resubmission every poll forever.
             if b.spec.suspend:
                 return b.detected(Reason.SUSPEND, None, "spec.suspend is true", checkpoint=False, job_active=False)
-            issue = o.health.first_issue()
+            issue = health.first_issue()
             if issue is not None:
                 reason, node, message = issue
                 return b.detected(reason, node, message, checkpoint=False, job_active=False)
@@ -627,12 +645,12 @@ def _running(b: _Builder) -> Plan:
                 b.act(Submit(sid, st.attempt))
             elif not c.exists:
                 b.act(EnsureChildren())
-            return b.requeue()
+            return wait()
         if j.state == RayJobState.UNREACHABLE and c.exists and not c.deleting:
             since = st.unreachable_since or b.now_s()
             b.set(unreachable_since=since)
             if (b.seconds_since(since) or 0) <= b.timing.unreachable_grace:
-                return b.requeue()
+                return wait()
         if j.state != RayJobState.UNREACHABLE:
             b.set(submission_confirmed=True)
 
@@ -645,8 +663,8 @@ def _running(b: _Builder) -> Plan:
         if not c.exists or c.deleting:
             return b.detected(Reason.CLUSTER_LOST, None, f"RayCluster {st.ray_cluster_name} is gone",
                               checkpoint=False, job_active=False)
-        if o.health.head_lost:
-            reason, node, message = o.health.first_issue() or (Reason.HEAD_LOST, None, "head lost")
+        if health.head_lost:
+            reason, node, message = health.first_issue() or (Reason.HEAD_LOST, None, "head lost")
             return b.detected(Reason.HEAD_LOST, node, message, checkpoint=False, job_active=False)
         since = b.get("unreachable_since") or b.now_s()
         b.set(unreachable_since=since)
@@ -655,7 +673,7 @@ def _running(b: _Builder) -> Plan:
             return b.detected(Reason.HEAD_LOST, None,
                               f"Ray dashboard unreachable for {waited:.0f} s: {j.message}",
                               checkpoint=False, job_active=False)
-        return b.requeue()
+        return wait()
     if st.unreachable_since is not None:
         b.set(unreachable_since=None)
 
@@ -663,17 +681,20 @@ def _running(b: _Builder) -> Plan:
     b.progress()
     if b.spec.suspend:
         return b.detected(Reason.SUSPEND, None, "spec.suspend is true", checkpoint=True, job_active=True)
-    issue = o.health.first_issue()
+    issue = health.first_issue()
     if issue is not None:
         reason, node, message = issue
-        wants = reason in (Reason.NODE_REPLACEMENT, Reason.NODE_REBOOT) and b.spec.resilience.checkpoint_on_node_warning
+        # Checkpoint first for an announced node, and for pods that stayed not Ready past their grace while every pod
+        # and node is still there (detected() asks only when the trainer answers its /status; else it stops at once).
+        announced = reason in (Reason.NODE_REPLACEMENT, Reason.NODE_REBOOT)
+        wants = (announced and b.spec.resilience.checkpoint_on_node_warning) or health.only_not_ready
         return b.detected(reason, node, message, checkpoint=wants, job_active=True)
     idle = b.seconds_since(b.get("last_progress_time"))
     deadline = b.spec.resilience.progress_deadline_seconds
     if idle is not None and idle > deadline:
         return b.detected(Reason.HUNG, None, f"no step progress for {idle:.0f} s (progressDeadlineSeconds "
                           f"{deadline}) at step {b.reported_step()}", checkpoint=True, job_active=True)
-    return b.requeue()
+    return wait()
 
 
 def _checkpointing(b: _Builder) -> Plan:
@@ -872,7 +893,7 @@ def plan(job: JobView, observed: Observed, now: dt.datetime, timing: Timing = Ti
         job: the job (an invalid spec is ``spec=None`` with ``spec_errors``).
         observed: what the handlers gathered.
         now: the current time (aware UTC); the planner never reads the clock.
-        timing: poll interval and unreachable grace.
+        timing: poll interval, unreachable grace and pod-ready grace (seconds).
 
     Returns:
         The :class:`Plan`. Invalid spec: a Succeeded or Failed job stays so (its usual plan: free the RayCluster);

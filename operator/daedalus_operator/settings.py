@@ -37,6 +37,9 @@ class OperatorSettings:
         idle_resync: seconds between looks at a quiet job outside ``Running`` whose dependencies did not change
             (a safety net for what a watch could miss; default ``handlers.IDLE_RESYNC_SECONDS``, 300).
         unreachable_grace: seconds an unanswering dashboard is tolerated before the head counts as lost.
+        pod_ready_grace: seconds a Running job's pod may stay not Ready on a Ready node (its ``Ready`` condition's
+            ``lastTransitionTime`` that long ago: a readiness probe failing under load) before it counts as lost
+            (0: at once). A pod on a gone or NotReady node, a failed or replaced pod is lost at once whatever this is.
         request_timeout: seconds for one HTTP call to the Ray dashboard or the trainer.
         deletion_timeout: seconds after ``deletionTimestamp`` after which the finalizer is released whatever failed.
         watch_timeout: server-side watch timeout (``timeoutSeconds``) in seconds; the client gives up 30 s later and
@@ -58,6 +61,7 @@ class OperatorSettings:
     poll_budget: float = 20.0
     idle_resync: float = 300.0
     unreachable_grace: float = 60.0
+    pod_ready_grace: float = 60.0
     request_timeout: float = 5.0
     deletion_timeout: float = 120.0
     watch_timeout: int | None = None

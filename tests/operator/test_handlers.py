@@ -309,6 +309,9 @@ def test_is_quiet() -> None:
                         dict(running, recovery={"reason": "NodeReplacement"}), 2.0, stepped)
     assert not is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=2.0), "Running",
                         dict(running, unreachableSince="2026-01-01T00:00:00Z"), 2.0, stepped)
+    # a pod not Ready inside --pod-ready-grace: nothing in status says so, the plan does (looked at every tick)
+    assert not is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=2.0, in_grace=True), "Running", running, 2.0,
+                        stepped)
     for trainer in (None, TrainerObservation(), TrainerObservation(reachable=True, step=10, attempt=2, resumed_from=10),
                     TrainerObservation(reachable=True, step=12, attempt=1, resumed_from=0),
                     TrainerObservation(reachable=True, step=0, attempt=2),

@@ -56,6 +56,8 @@ def test_arguments_become_settings() -> None:
     (["--request-timeout", "0"], "argument --request-timeout: must be > 0 seconds, got 0"),
     (["--request-timeout", "-5"], "argument --request-timeout: must be > 0 seconds, got -5"),
     (["--unreachable-grace", "-1"], "argument --unreachable-grace: must be >= 0 seconds (0: no grace), got -1"),
+    (["--pod-ready-grace", "-1"], "argument --pod-ready-grace: must be >= 0 seconds (0: no grace), got -1"),
+    (["--pod-ready-grace", "inf"], "argument --pod-ready-grace: must be a finite number of seconds >= 0"),
     (["--deletion-timeout", "-0.5"], "argument --deletion-timeout: must be >= 0 seconds (0: after one try), got -0.5"),
     (["--liveness-stale", "-1"], "argument --liveness-stale: must be >= 0 seconds"),
     (["--liveness-stale", "nan"], "argument --liveness-stale: must be a finite number of seconds >= 0"),
@@ -90,10 +92,12 @@ def test_bounds_that_mean_something_are_accepted() -> None:
     args = build_parser().parse_args(["--metrics-port", "0", "--watch-timeout", "0", "--unreachable-grace", "0",
                                       "--deletion-timeout", "0", "--liveness-stale", "0", "--control-port", "65535",
                                       "--liveness", "http://[::]:1/healthz", "--poll-interval", "0.01",
-                                      "--api-wait", "0"])
+                                      "--api-wait", "0", "--pod-ready-grace", "0"])
     s = settings_from_args(args)
     assert (args.metrics_port, s.watch_timeout, s.unreachable_grace, s.deletion_timeout, s.liveness_stale,
-            s.control_port, s.poll_interval) == (0, 0, 0.0, 0.0, 0.0, 65535, 0.01)
+            s.control_port, s.poll_interval, s.pod_ready_grace) == (0, 0, 0.0, 0.0, 0.0, 65535, 0.01, 0.0)
+    assert settings_from_args(build_parser().parse_args([])).pod_ready_grace == 60.0
+    assert settings_from_args(build_parser().parse_args(["--pod-ready-grace", "90"])).pod_ready_grace == 90.0
     assert build_parser().parse_args(["--control-port", "1", "--metrics-port", "65535"]).control_port == 1
     assert args.api_wait == 0.0 and build_parser().parse_args([]).api_wait == 30.0
 

@@ -103,6 +103,39 @@ def test_head_created_is_the_newest_live_head_even_without_an_attempt() -> None:
     assert read_cluster(body).created == new
 
 
+def test_a_pod_not_ready_on_a_ready_node_gets_a_grace_from_its_ready_transition() -> None:
+    """PodNotReady on a Ready node carries the Ready condition's lastTransitionTime; within_grace drops it until it is
+    older than the grace (seconds) and says when the first grace ends. On a NotReady or gone node: no grace."""
+    flipped = SINCE + dt.timedelta(seconds=100)
+    blinking = pod("h", "a", "head", ready=False)
+    blinking["status"]["conditions"][0]["lastTransitionTime"] = format_time(flipped)
+    h = node_health([blinking, pod("w1", "b")], NODES, hyperpod=True, since=SINCE, expected_pods=2)
+    [issue] = h.lost_pods
+    assert (issue.reason, issue.not_ready_since) == ("PodNotReady", flipped) and h.head_lost and h.only_not_ready
+    assert "not Ready since" in issue.message and h.bad_pods == ()
+    graced, left = h.within_grace(flipped + dt.timedelta(seconds=5), 60.0)
+    assert graced.first_issue() is None and left == 55.0 and not graced.head_lost
+    assert graced.ready_pods == h.ready_pods  # still counted as not Ready (no new submission onto it)
+    for now, grace in ((flipped + dt.timedelta(seconds=61), 60.0), (flipped, 0.0)):
+        after, left = h.within_grace(now, grace)
+        assert after is h and left is None and after.first_issue()[0] == Reason.HEAD_LOST
+    # the same pod on a NotReady node, on a node that is gone, or without a transition time: lost at once
+    for nodes, node_name in (({**NODES, "a": node("a", ready="False")}, "a"), (NODES, "zz")):
+        on_bad = dict(blinking, spec={"nodeName": node_name})
+        h = node_health([on_bad, pod("w1", "b")], nodes, hyperpod=True, since=SINCE, expected_pods=2)
+        issue = next(i for i in h.lost_pods)
+        assert issue.not_ready_since is None and not h.only_not_ready
+        assert h.within_grace(flipped + dt.timedelta(seconds=5), 60.0)[0].head_lost
+    h = node_health([pod("h", "a", "head", ready=False), pod("w1", "b")], NODES, hyperpod=True, since=SINCE,
+                    expected_pods=2)
+    assert h.lost_pods[0].not_ready_since is None and h.within_grace(flipped, 60.0)[0].head_lost
+    # a failed pod next to a blinking one: the failed one is lost at once and no checkpoint is asked for
+    failed = pod("w1", "b", phase="Failed", ready=False)
+    h = node_health([blinking, failed], NODES, hyperpod=True, since=SINCE, expected_pods=2)
+    graced, left = h.within_grace(flipped + dt.timedelta(seconds=5), 60.0)
+    assert [i.pod for i in graced.lost_pods] == ["w1"] and left == 55.0 and not h.only_not_ready
+
+
 def test_no_attempt_no_loss_checks() -> None:
     h = node_health([pod("h", "a", "head", phase="Pending", ready=False)], NODES, hyperpod=True, since=None,
                     expected_pods=2)

@@ -99,6 +99,18 @@ REBOOT = dataclasses.replace(ANNOUNCED, announced=(
 WORKER_LOST = NodeHealth(pods=2, ready_pods=1, lost_pods=(
     PodIssue("local-tiny-ray-cpu-worker-fghij", "node-c", "worker", "PodReplaced", "created after the attempt"),))
 HEAD_LOST = NodeHealth(pods=1, ready_pods=1, lost_pods=(PodIssue("", None, "head", "PodMissing", "no head pod"),))
+
+
+def head_not_ready(seconds: float) -> NodeHealth:
+    """The head pod Running on a Ready node, its Ready condition False for ``seconds`` (a failing readiness probe)."""
+    since = NOW - dt.timedelta(seconds=seconds)
+    return NodeHealth(pods=2, ready_pods=1, lost_pods=(PodIssue(
+        "local-tiny-ray-head-x", "node-a", "head", "PodNotReady", f"phase Running, not Ready since {format_time(since)}",
+        not_ready_since=since),))
+
+
+def _no_failure(plan: p.Plan) -> bool:
+    return plan.in_grace and not ({"recovery", "last_failure", "consecutive_failures"} & plan.status.keys())
 RECOVERING = {"reason": "NodeReplacement", "node": "node-b", "detectedAt": ago(60), "stepAtDetection": 12,
               "checkpointRequestedAt": ago(50), "checkpointTargetStep": 12, "stopRequestedAt": ago(40)}
 
@@ -242,6 +254,23 @@ ROWS = [
         {"recovery": lambda r: r.not_before == later(60), "consecutive_failures": 3}, ["WorkerLost"]),
     Row("running-head-lost", job(running_status()), obs(state=p.RayJobState.UNREACHABLE, health=HEAD_LOST),
         Phase.RECOVERING, [], {"recovery": lambda r: r.reason == "HeadLost"}, ["HeadLost"], 0),
+    # a pod not Ready on a Ready node (readiness probe failing under load) is tolerated for --pod-ready-grace (60 s),
+    # the job looked at again when the grace ends; past it, checkpoint when the trainer answers, else stop
+    Row("running-head-not-ready-within-grace", job(running_status()), obs(t=trainer(12, 10), health=head_not_ready(5)),
+        Phase.RUNNING, [], {}, [], 2.0, check=_no_failure),
+    Row("running-head-not-ready-grace-ends-before-the-next-poll", job(running_status()),
+        obs(t=trainer(12, 10), health=head_not_ready(59.5)), Phase.RUNNING, [], {}, [], 0.5, check=_no_failure),
+    Row("running-head-not-ready-and-dashboard-timing-out-within-grace", job(running_status()),
+        obs(state=p.RayJobState.UNREACHABLE, message="timeout", health=head_not_ready(5)), Phase.RUNNING, [],
+        {"unreachable_since": format_time(NOW)}, [], 2.0, check=_no_failure),
+    Row("running-head-not-ready-past-grace-checkpoint", job(running_status()),
+        obs(t=trainer(12, 10), health=head_not_ready(61)), Phase.CHECKPOINTING, [p.RequestCheckpoint(sid(1), 12)],
+        {"recovery": lambda r: r.reason == "HeadLost" and r.checkpoint_target_step == 12
+         and "local-tiny-ray-head-x" in r.message}, ["HeadLost"], 2.0, check=lambda plan: not plan.in_grace),
+    Row("running-head-not-ready-past-grace-trainer-silent", job(running_status()),
+        obs(health=head_not_ready(61)), Phase.RECOVERING, [p.StopJob(sid(1))],
+        {"recovery": lambda r: r.reason == "HeadLost" and r.checkpoint_requested_at is None
+         and r.stop_requested_at == format_time(NOW)}, ["HeadLost"], 2.0),
     Row("running-app-error", job(running_status()),
         obs(state=p.RayJobState.FAILED, message="Job entrypoint command failed with exit code 1: ValueError: bad"),
         Phase.RECOVERING, [], {"last_failure": lambda f: f.reason == "ApplicationError" and "ValueError" in f.message,
@@ -527,6 +556,51 @@ def test_trainer_observation_from_status_document() -> None:
                                           "successRatio": 0.5, "attempt": 2, "extra": 1})
     assert (t.step, t.total_steps, t.checkpoint_step, t.success_ratio, t.attempt) == (7, 40, 5, 0.5, 2)
     assert p.TrainerObservation.from_status({"latestCheckpoint": None}).checkpoint_step is None
+
+
+# ------------------------------------------------------------------------------------------------ pods not Ready
+def _pod(name: str, node: str, role: str, ready: bool, since: dt.datetime) -> dict:
+    return {"metadata": {"name": name, "creationTimestamp": ago(600),
+                         "labels": {api.JOB_LABEL: "local-tiny", api.RAY_NODE_TYPE_LABEL: role}},
+            "spec": {"nodeName": node},
+            "status": {"phase": "Running", "conditions": [
+                {"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": format_time(since)}]}}
+
+
+def _node(name: str, ready: bool) -> dict:
+    return {"metadata": {"name": name}, "status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+
+@pytest.mark.parametrize("head_node_ready,not_ready_for,grace,phase", [
+    (True, 5, 60.0, Phase.RUNNING),  # a readiness blip: tolerated
+    (True, 61, 60.0, Phase.CHECKPOINTING),  # past the grace, the trainer answering: checkpoint first
+    (True, 5, 0.0, Phase.CHECKPOINTING),  # --pod-ready-grace 0: lost at once
+    (False, 5, 60.0, Phase.RECOVERING),  # the head's node NotReady: lost at once, as before (no checkpoint)
+])
+def test_a_pod_not_ready_counts_as_lost_after_the_grace_unless_its_node_is_not_ready(
+        head_node_ready: bool, not_ready_for: float, grace: float, phase: Phase) -> None:
+    """From pod and node bodies as the handlers read them: the grace counts from the Ready condition's
+    lastTransitionTime (no operator memory), and only for a pod on a Ready node."""
+    from daedalus_operator.nodes import node_health
+
+    pods = [_pod("local-tiny-ray-head-x", "node-a", "head", False, NOW - dt.timedelta(seconds=not_ready_for)),
+            _pod("local-tiny-ray-cpu-worker-y", "node-b", "worker", True, NOW - dt.timedelta(seconds=500))]
+    nodes = {"node-a": _node("node-a", head_node_ready), "node-b": _node("node-b", True)}
+    st = running_status()
+    health = node_health(pods, nodes, hyperpod=False, since=NOW - dt.timedelta(seconds=300), expected_pods=2)
+    o = obs(t=trainer(12, 10), health=health)
+    result = p.plan(job(st), o, NOW, p.Timing(pod_ready_grace=grace))
+    assert result.phase == phase, result
+    if phase == Phase.RUNNING:
+        assert result.actions == [] and result.events == [] and result.in_grace
+        ready = {c["type"]: c for c in compute_status(st, o, result, None, job=job(st), now=NOW)["conditions"]}
+        assert (ready["Ready"]["status"], ready["Ready"]["reason"]) == ("True", "Running")
+        assert ready["Failed"]["status"] == ready["Stalled"]["status"] == "False"
+    elif phase == Phase.CHECKPOINTING:
+        assert result.actions == [p.RequestCheckpoint(sid(1), 12)]
+    else:
+        assert result.actions == [p.StopJob(sid(1))] and result.status["recovery"].reason == "HeadLost"
+        assert "node node-a not Ready" in result.status["recovery"].message
 
 
 # ------------------------------------------------------------------------------------------------ one attempt at a time
