@@ -152,6 +152,13 @@ INVALID = [
     ("spec.sft.onPolicyFraction", 1.5, "spec.sft.onPolicyFraction", "less than or equal to 1", "schema"),
     # the example's 8 mazes per step do not split into 3 mini-batches of whole groups
     ("spec.algorithm.miniBatches", 3, "spec.algorithm.miniBatches", "must divide algorithm.mazesPerStep", "cel"),
+    # seeds fit the integers torch takes: evalSeed 1e14 passed and crashed the last evaluation of a run
+    ("spec.algorithm.seed", 2**31, "spec.algorithm.seed", "less than or equal to 2147483647", "schema"),
+    ("spec.environment.evalSeed", 10**14, "spec.environment.evalSeed", "less than or equal to 2147483647", "schema"),
+    ("spec.sft.seed", 2**64, "spec.sft.seed", "less than or equal to 2147483647", "schema"),
+    # YAML's .inf / .nan (JSON, and so kubectl, cannot carry them: "json"): an infinite alpha made every weight NaN
+    ("spec.lora.alpha", float("inf"), "spec.lora.alpha", "finite number", "json"),
+    ("spec.algorithm.maxGradNorm", float("nan"), "spec.algorithm.maxGradNorm", "finite number", "json"),
 ]
 
 

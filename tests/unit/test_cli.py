@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -33,6 +35,18 @@ def test_eval_mazes_must_be_positive(value, message, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["eval", EXAMPLE, "--model", "m", "--mazes", value])
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--size", "20001"], "argument --size: must be 5-63 (environment.size's range), got 20001"),
+    (["--cell-px", "100000"], "argument --cell-px: must be 4-128 (environment.cellPixels' range), got 100000"),
+    (["--size", "nine"], "argument --size: expected a whole number, got 'nine'"),
+])
+def test_maze_sizes_outside_the_specs_range_are_one_line(argv, message, capsys):
+    """Before, --size 20001 or --cell-px 100000 tried to allocate hundreds of GiB and died with a traceback."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["maze", *argv])
+    assert info.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"daedalus maze: error: {message}"
 
 
 def test_run_rejects_a_resume_path_without_a_checkpoint_before_sft(tmp_path):
@@ -198,6 +212,14 @@ def test_yaml_is_read_as_kubectl_reads_it(tmp_path):
     assert str(dup) in message  # the marks name the file, not "<unicode string>"
     lines = [i + 1 for i, line in enumerate(dup.read_text().splitlines()) if line.startswith("    steps:")]
     assert f"first given on line {lines[0]}" in message and f"line {lines[1]}, column" in message
+    # a key repeated on one line (a flow mapping, one-line JSON) is refused too; before, the last one won
+    doc = json.loads(json.dumps(yaml.safe_load(Path(EXAMPLE).read_text())))
+    one_line = json.dumps(doc).replace('"steps": 48', '"steps": 4, "steps": 48', 1)
+    assert one_line.count('"steps"') >= 2
+    with pytest.raises(c.SpecError) as info:
+        c.load_job(_write(tmp_path, one_line, "dup.json"))
+    (path, message), = info.value.errors
+    assert path == "(yaml)" and "found duplicate key 'steps' (first given on line 1)" in message
 
 
 def test_unknown_and_misplaced_fields_say_where_they_belong():

@@ -50,8 +50,15 @@ LANGUAGE_MODEL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj
 DEFAULT_LORA_TARGETS = list(LANGUAGE_MODEL_PROJECTIONS)
 
 
+#: Largest seed a spec may carry: 2**31 - 1, so that every seed derived from it (``evalSeed * 1_000_003 + turn``, a
+#: per-step ``torch.manual_seed``) fits the 64-bit integers torch and numpy take.
+SEED_MAX = 2**31 - 1
+
+
 class _Model(BaseModel):
-    """Base: camelCase aliases, unknown fields rejected, attribute docstrings as descriptions."""
+    """Base: camelCase aliases, unknown fields rejected, attribute docstrings as descriptions, finite floats only
+    (``.inf`` and ``.nan`` in YAML are refused with the field's path: an infinite ``lora.alpha`` would make every
+    weight NaN from the first step)."""
 
     model_config = ConfigDict(
         alias_generator=to_camel,
@@ -59,6 +66,7 @@ class _Model(BaseModel):
         extra="forbid",
         use_attribute_docstrings=True,
         validate_assignment=False,
+        allow_inf_nan=False,
     )
 
 
@@ -193,7 +201,7 @@ class AlgorithmSpec(_Model):
     """`constant`: `learningRate` at every step; `cosine`: half a cosine from `learningRate` at step 1 down to 0
     after step `steps` (Loshchilov & Hutter 2017, SGDR, without restarts). A function of the step alone, so a
     resumed run continues the same schedule."""
-    seed: int = Field(0, ge=0, strict=True)
+    seed: int = Field(0, ge=0, le=SEED_MAX, strict=True)
     """Seed of maze sampling, rollouts and initialisation; a resumed run continues the same streams."""
     eval_interval_steps: int = Field(0, ge=0, strict=True)
     """Greedy evaluation on the held-out mazes every N steps (metric `daedalus_eval_success_ratio`); 0: only after
@@ -234,7 +242,7 @@ class EnvironmentSpec(_Model):
     """Rendered cell size in pixels (VisGym uses 25; the tiny model learns with 16: one ViT patch per cell)."""
     eval_mazes: int = Field(64, ge=1, le=100_000, strict=True)
     """Size of the held-out evaluation set; its layouts are excluded from every training sampler."""
-    eval_seed: int = Field(1234, ge=0, strict=True)
+    eval_seed: int = Field(1234, ge=0, le=SEED_MAX, strict=True)
     """Seed of the held-out evaluation set."""
     eval_corners: int = Field(1, ge=1, le=4, strict=True)
     """Start/goal corner pairs each held-out layout is played from: 1 = the pair drawn with the maze; up to 4 =
@@ -265,7 +273,7 @@ class SFTSpec(_Model):
     """Demonstration turns per optimizer step."""
     learning_rate: float = Field(1e-3, gt=0, le=1.0)
     """AdamW learning rate (full fine-tune of the tiny model; LoRA for real models)."""
-    seed: int = Field(0, ge=0, strict=True)
+    seed: int = Field(0, ge=0, le=SEED_MAX, strict=True)
     """Seed of demonstration sampling."""
     eval_every: int = Field(0, ge=0, strict=True)
     """Evaluate on the held-out set every N steps (0: only at the end)."""
@@ -877,13 +885,14 @@ class ManifestLoader(yaml.SafeLoader):
                 continue  # `<<` merges: later keys may override merged ones, as YAML intends
             key = self.construct_object(key_node, deep=True)
             try:
-                first = seen.setdefault(key, key_node.start_mark.line)
+                first = seen.get(key)
             except TypeError:  # an unhashable key: the base constructor reports it
                 continue
-            if first != key_node.start_mark.line:
+            if first is not None:  # also on the same line: `{seed: 1, seed: 2}` or one-line JSON
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping", node.start_mark,
                     f"found duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
 
