@@ -105,6 +105,19 @@ def test_solver_engine_succeeds_with_optimal_turns(tiny_policy, tiny_job):
     assert engine.batches[0] == 4  # episodes run in lockstep, one engine call per turn
 
 
+def test_an_engine_answering_fewer_conversations_is_an_error_not_short_episodes(tiny_policy, tiny_job):
+    """An engine that returns fewer generations than it was given conversations: before, zip dropped the rest and
+    their half-played episodes went to training as finished (0-2 turns, not truncated)."""
+    class ShortEngine(ScriptedEngine):
+        def generate(self, conversations, images, sampling):
+            return super().generate(conversations, images, sampling)[:-1]
+
+    engine = ShortEngine(tiny_policy, lambda messages, images: solver_reply(images[-1], 16))
+    with pytest.raises(RuntimeError, match="returned 2 generations for 3 conversations \\(turn 0\\)"):
+        run_episodes(engine, [maze_from_seed(7, s) for s in range(3)], tiny_job.spec.environment,
+                     SamplingParams(0.0))
+
+
 def test_trajectory_records_recompute_to_the_sampled_logprobs(tiny_policy, tiny_checkpoint):
     """The learner recomputes, from the records alone, the log-probs the engine reported for every sampled token."""
     job = make_tiny_job(tiny_checkpoint, environment={"historyTurns": 2, "maxTurns": 3})

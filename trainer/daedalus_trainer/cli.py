@@ -189,6 +189,24 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _int_between(lo: int, hi: int, what: str):
+    """argparse type: an integer in [lo, hi] (``what`` says where the bounds come from).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or outside the bounds.
+    """
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be {lo}-{hi} ({what}), got {value}")
+        return value
+
+    return parse
+
+
 def _port_option(text: str) -> int:
     """argparse type of ``--port``: a TCP port number, 0-65535 (its default comes from ``$DAEDALUS_METRICS_PORT``
     and is checked only by the subcommand that uses it: a bad variable does not break ``daedalus validate``).
@@ -296,10 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("maze", help="render a maze to PNG and print the ASCII map and the solver's solution",
                        description="Generate the maze a seed gives (the one Maze2DEnv(size).reset(seed=SEED) starts "
                        "with), print its map and shortest solution, and write its picture with --out.")
-    s.add_argument("--size", type=int, default=9, help="odd side length including walls (default 9)")
+    s.add_argument("--size", type=_int_between(5, 63, "environment.size's range"), default=9,
+                   help="odd side length including walls, 5-63 (default 9)")
     s.add_argument("--seed", type=int, default=0, help="maze seed (default 0; the same seed gives the same maze)")
     s.add_argument("--out", default=None, help="write the rendered PNG here (default: no PNG, text only)")
-    s.add_argument("--cell-px", type=int, default=25, help="cell size in pixels (default 25, as VisGym)")
+    s.add_argument("--cell-px", type=_int_between(4, 128, "environment.cellPixels' range"), default=25,
+                   help="cell size in pixels, 4-128 (default 25, as VisGym)")
     s.add_argument("--action-format", default="function", choices=["function", "tuple", "tag"],
                    help="syntax of the printed solution: move(\"up\"), ('move', 1) or <action>up</action> "
                         "(default function)")

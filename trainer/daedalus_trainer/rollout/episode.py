@@ -152,6 +152,9 @@ def run_episodes(
 
     Every turn counts towards the limit, including replies that cannot be parsed (the environment answers with the
     parse-failure feedback, which the next prompt shows) and wall bumps.
+
+    Raises:
+        RuntimeError: the engine returned another number of generations than it was given conversations.
     """
     settings = PromptSettings.from_env(env_spec)
     envs = [make_env(env_spec) for _ in mazes]
@@ -179,6 +182,9 @@ def run_episodes(
             turn_sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_tokens,
                                            seed=seed * 1_000_003 + turn)
         gens = engine.generate(convs, imgs, turn_sampling)
+        if len(gens) != len(convs):  # zip would drop the rest and return half-played episodes for training
+            raise RuntimeError(f"rollout engine {type(engine).__name__} returned {len(gens)} generations for "
+                               f"{len(convs)} conversations (turn {turn})")
         still = []
         for i, gen, images in zip(active, gens, imgs):
             state = (int(envs[i].agent[0]), int(envs[i].agent[1]))
