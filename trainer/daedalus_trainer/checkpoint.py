@@ -496,6 +496,26 @@ def _fsync_path(path: Path, *, directory: bool = False) -> None:
         os.close(fd)
 
 
+def weight_files(directory: str | os.PathLike[str], *, by_content: bool) -> list[list[Any]]:
+    """A fingerprint of the weight files (``*.safetensors``, ``*.bin``) directly in ``directory``, sorted by name:
+    ``[name, sha256]`` each with ``by_content`` (an adapter: megabytes, exported again byte for byte the same), else
+    ``[name, size in bytes, modification time in ns]`` (a full model: gigabytes cost no read, and any new save
+    changes the time). Names, not paths: the same files seen from another directory are the same.
+
+    Raises:
+        OSError: the directory or a file cannot be read.
+    """
+    out: list[list[Any]] = []
+    for f in sorted(Path(directory).iterdir()):
+        if f.suffix in (".safetensors", ".bin") and f.is_file():
+            if by_content:
+                out.append([f.name, sha256_and_size(f)[0]])
+            else:
+                st = f.stat()
+                out.append([f.name, st.st_size, st.st_mtime_ns])
+    return out
+
+
 def sha256_and_size(path: Path, *, fsync: bool = False) -> tuple[str, int]:
     """``(sha256 hex digest, size in bytes)`` of the file at ``path``, read in chunks (a checkpoint's optimizer state
     can be gigabytes); ``fsync``: also flush it to the device (a checkpoint's files before the rename).

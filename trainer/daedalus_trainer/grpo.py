@@ -651,7 +651,7 @@ def run_identity(job: Any, start_dir: str | None) -> dict[str, Any]:
     ``environment`` and ``algorithm`` sections (but for :data:`RESUMABLE_ALGORITHM_FIELDS`) and ``start``: the starting point's weight files (``*.safetensors``, ``*.bin`` in ``start_dir``; an adapter, megabytes,
     by sha256, a full model by size in bytes and modification time in ns, so a multi-GB model costs no read). Kept in
     every checkpoint's ``TrainerState.extra``."""
-    from daedalus_trainer.checkpoint import sha256_and_size
+    from daedalus_trainer.checkpoint import weight_files
     from daedalus_trainer.policy import is_adapter_dir
 
     spec = job.spec
@@ -660,14 +660,8 @@ def run_identity(job: Any, start_dir: str | None) -> dict[str, Any]:
         for key, value in getattr(spec, name).model_dump(mode="json", by_alias=True).items():
             if not (name == "algorithm" and key in RESUMABLE_ALGORITHM_FIELDS or f"{name}.{key}" == "model.sftAdapter"):
                 flat[f"{name}.{key}"] = value
-    files = []
-    if start_dir and Path(start_dir).is_dir():
-        adapter = is_adapter_dir(start_dir)
-        for f in sorted(Path(start_dir).iterdir()):
-            if f.suffix in (".safetensors", ".bin") and f.is_file():
-                st = f.stat()
-                files.append([f.name, sha256_and_size(f)[0]] if adapter else [f.name, st.st_size, st.st_mtime_ns])
-    flat["start"] = files
+    has_start = bool(start_dir) and Path(start_dir).is_dir()
+    flat["start"] = weight_files(start_dir, by_content=is_adapter_dir(start_dir)) if has_start else []
     return flat
 
 

@@ -71,19 +71,11 @@ def start_fingerprint(job, model_path: str, adapter_path: str | None) -> str:
     (megabytes) by content, because every finished run exports it again, byte for byte the same."""
     import hashlib
 
-    from daedalus_trainer.checkpoint import sha256_and_size
+    from daedalus_trainer.checkpoint import weight_files
 
-    files = []
-    for role, d in (("model", model_path), ("adapter", adapter_path)):
-        if d:
-            for f in sorted(Path(d).iterdir()):
-                if f.suffix in (".safetensors", ".bin") and f.is_file():
-                    st = f.stat()
-                    # the name, not the path: the same run continued from another working directory is the same start
-                    if role == "adapter":
-                        files.append([role, f.name, sha256_and_size(f)[0]])
-                    else:
-                        files.append([role, f.name, st.st_size, st.st_mtime_ns])
+    # names, not paths: the same run continued from another working directory is the same start
+    files = [[role, *entry] for role, d in (("model", model_path), ("adapter", adapter_path)) if d
+             for entry in weight_files(d, by_content=role == "adapter")]
     algo = job.spec.algorithm
     key = {"files": files, "environment": job.spec.environment.model_dump(mode="json"),
            "sampling": [algo.temperature, algo.top_p, algo.max_tokens_per_turn]}
