@@ -15,7 +15,7 @@ Lifecycle (DESIGN.md §3)::
                     ^             |  \\
                     |             |   Checkpointing (announced node replacement/reboot, hang, suspend)
                     |             v  /
-                    +------- Recovering -> Failed (maxRestarts exhausted)
+                    +------- Recovering -> Failed (maxRestarts unplanned restarts exhausted)
                                   \\-> Suspended (spec.suspend) -> Provisioning (suspend: false)
 
 Failure handling, in DESIGN order:
@@ -35,7 +35,10 @@ Failure handling, in DESIGN order:
    A pod that is only not Ready (Running or Pending on a Ready node: a readiness probe failing under load) is lost
    only once its ``Ready`` condition has been False for longer than ``pod_ready_grace``; then the trainer, when it
    answers, is asked for a checkpoint before the stop. A pod on a gone or NotReady node is lost at once.
-4. Every resubmission counts against ``maxRestarts``; past it the job is Failed (RestartLimitExceeded).
+4. Every resubmission counts in ``status.restarts``; those after a planned cause (a HyperPod replacement or reboot,
+   :data:`api.PLANNED_REASONS`) also in ``status.plannedRestarts``. Only unplanned ones count against
+   ``maxRestarts``: once ``restarts - plannedRestarts >= maxRestarts``, the next unplanned failure makes the job Failed
+   (RestartLimitExceeded); a planned restart is never refused (maintenance must not fail a weeks-long job).
    No step progress for ``progressDeadlineSeconds`` counts as hung: checkpoint if possible, then restart.
 """
 
@@ -327,6 +330,12 @@ def backoff_seconds(base: float, failures: int) -> float:
     return min(MAX_BACKOFF_SECONDS, base * 2 ** min(failures - 1, 30))
 
 
+def is_planned(reason: str | Reason) -> bool:
+    """True for a recovery reason announced ahead of time (:data:`api.PLANNED_REASONS`: HyperPod node replacement or
+    reboot, suspend): no backoff, and no count against ``maxRestarts``."""
+    return reason in api.PLANNED_REASONS
+
+
 def classify_failure(ray_job: RayJobObservation, health: NodeHealth) -> tuple[Reason, str | None, str]:
     """Why did the Ray job end without success? ``(reason, node, message)``.
 
@@ -410,6 +419,25 @@ class _Builder:
             return t.total_steps
         return self.st.total_steps or 0
 
+    def unplanned_restarts(self) -> int:
+        """Resubmissions after unplanned failures: ``restarts - plannedRestarts`` (a status written by an operator
+        without ``plannedRestarts`` reads it as 0: every restart it made counts, as it did then)."""
+        return max(0, self.st.restarts - self.st.planned_restarts)
+
+    def restart_limit_reached(self, reason: str | Reason) -> bool:
+        """A resubmission for ``reason`` is refused: the reason is unplanned and ``maxRestarts`` unplanned restarts
+        were made already. A planned one (HyperPod replacement or reboot) is never refused."""
+        assert self.spec is not None
+        return not is_planned(reason) and self.unplanned_restarts() >= self.spec.resilience.max_restarts
+
+    def limit_message(self, reason: str, message: str) -> str:
+        """RestartLimitExceeded's message: the cause and the counts."""
+        assert self.spec is not None
+        st = self.st
+        planned = f", {st.planned_restarts} of them planned" if st.planned_restarts else ""
+        return (f"{reason}: {message} (restarts {st.restarts}{planned}; unplanned {self.unplanned_restarts()} >= "
+                f"maxRestarts {self.spec.resilience.max_restarts})")
+
     def reported_step(self) -> int:
         """Latest completed step: the trainer's answer when it has one, else the last recorded one."""
         t = self.o.trainer
@@ -446,6 +474,8 @@ class _Builder:
         if after_failure:
             self.set(restarts=self.st.restarts + 1)
             self.plan.restart_reason = self.recovery().reason
+            if is_planned(self.plan.restart_reason):
+                self.set(planned_restarts=self.st.planned_restarts + 1)
             self.to(Phase.RUNNING, Reason.RESUBMITTED,
                     f"attempt {attempt} ({sid}) submitted, resuming from the checkpoint at step {resume}")
         else:
@@ -460,7 +490,7 @@ class _Builder:
         step = self.reported_step()
         rec = RecoveryInfo(reason=reason.value, node=node, message=message, detected_at=self.now_s(),
                            step_at_detection=step)
-        planned = reason in api.PLANNED_REASONS
+        planned = is_planned(reason)
         failures = self.st.consecutive_failures + (0 if planned else 1)
         wait = 0.0 if planned else backoff_seconds(self.spec.resilience.restart_backoff_seconds, failures)
         if wait:
@@ -470,10 +500,8 @@ class _Builder:
             self.set(last_failure=FailureInfo(reason=reason.value, node=node, message=message[:1024],
                                               time=self.now_s()))
         warn = EventType.NORMAL if planned else EventType.WARNING
-        if not job_active and reason != Reason.SUSPEND and self.st.restarts >= self.spec.resilience.max_restarts:
-            return self.fail(Reason.RESTART_LIMIT,
-                             f"{reason.value}: {message} (restarts {self.st.restarts} >= maxRestarts "
-                             f"{self.spec.resilience.max_restarts})")
+        if not job_active and self.restart_limit_reached(reason):
+            return self.fail(Reason.RESTART_LIMIT, self.limit_message(reason.value, message))
         sid = self.st.submission_id or ""
         if checkpoint and job_active and self.o.trainer.answers_for(self.st.attempt):
             rec.checkpoint_requested_at = self.now_s()
@@ -789,9 +817,8 @@ def _recovering(b: _Builder) -> Plan:
              f"suspended at step {b.get('current_step')}; latest checkpoint step "
              f"{st.latest_checkpoint.step if st.latest_checkpoint else 0}")
         return b.done()
-    if st.restarts >= b.spec.resilience.max_restarts:
-        return b.fail(Reason.RESTART_LIMIT, f"{rec.reason}: {rec.message} (restarts {st.restarts} >= maxRestarts "
-                      f"{b.spec.resilience.max_restarts})")
+    if b.restart_limit_reached(rec.reason):
+        return b.fail(Reason.RESTART_LIMIT, b.limit_message(rec.reason, rec.message))
     if o.health.bad_pods and c.exists and not c.deleting:
         b.act(DeletePods(o.health.bad_pods))
         return b.requeue()

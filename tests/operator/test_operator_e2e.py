@@ -75,6 +75,7 @@ def test_node_replacement_checkpoints_stops_and_resumes_with_zero_lost_steps(env
     env.fake.set_node_health(bad_node, "UnschedulablePendingReplacement")
     st = env.wait_status(lambda s: s.get("submissionId", "").endswith("-a2"), timeout=90, message="attempt 2")
     assert st["restarts"] == 1 and st["attempt"] == 2
+    assert st.get("plannedRestarts") == 1  # maintenance: not counted against maxRestarts
     st = env.wait_phase("Succeeded", timeout=120)
 
     # zero lost steps: attempt 2 starts right after the step attempt 1 checkpointed and stopped at
@@ -140,6 +141,7 @@ def test_killed_ray_job_resumes_from_the_last_periodic_checkpoint(env: OperatorE
           f"checkpoint at step {resumed_from}; lost steps {lost} (interval {INTERVAL}); operator-measured "
           f"recovery {st['lastRecovery']['seconds']:.1f} s")
     assert st["restarts"] == 1 and st["lastRecovery"]["reason"] == "JobFailed"
+    assert st.get("plannedRestarts", 0) == 0
     assert st["lastRecovery"]["resumedFromStep"] == resumed_from  # from the new attempt's /status resumedFrom
     assert 0 <= lost - st["lastRecovery"]["lostSteps"] <= 3  # detection lags by at most one poll (0.5 s ~ 2 steps)
     assert "JobFailed" in env.wait_event_reasons("JobFailed")

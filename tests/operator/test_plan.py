@@ -183,7 +183,8 @@ ROWS = [
              "latestCheckpoint": {"step": 20, "path": "/c/step-000020"}}),
         obs(READY, p.RayJobState.NOT_FOUND), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(3), 3)],
         {"attempt": 3}, ["Submitted"], 2.0,
-        check=lambda plan: "restarts" not in plan.status and "step 20" in plan.events[0].message),
+        check=lambda plan: not {"restarts", "planned_restarts"} & plan.status.keys()
+        and "step 20" in plan.events[0].message),
     # ---------------------------------------------------------------------------------------------- Running
     Row("running-restart-after-status-before-submit", job(running_status(submissionConfirmed=False)),
         obs(READY, p.RayJobState.NOT_FOUND), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(1), 1)], {}, [], 2.0),
@@ -285,6 +286,17 @@ ROWS = [
         obs(state=p.RayJobState.FAILED, message="boom"), Phase.FAILED, [p.DeleteCluster()],
         {"last_failure": lambda f: f.reason == "RestartLimitExceeded" and "ApplicationError" in f.message,
          "completion_time": format_time(NOW)}, ["RestartLimitExceeded"], None),
+    Row("running-failed-within-limit-planned-restarts-excluded", job(running_status(restarts=3, plannedRestarts=1)),
+        obs(state=p.RayJobState.FAILED, message="boom"), Phase.RECOVERING, [],
+        {"last_failure": lambda f: f.reason == "ApplicationError"}, ["ApplicationError"], 0),
+    Row("running-failed-past-limit-after-planned-restarts", job(running_status(restarts=4, plannedRestarts=1)),
+        obs(state=p.RayJobState.FAILED, message="boom"), Phase.FAILED, [p.DeleteCluster()],
+        {"last_failure": lambda f: f.reason == "RestartLimitExceeded" and "ApplicationError" in f.message},
+        ["RestartLimitExceeded"], None),
+    Row("running-ended-on-announced-node-past-limit-is-planned",
+        job(running_status(restarts=3), resilience__hyperPod=True),
+        obs(state=p.RayJobState.FAILED, message="exit code 1", health=ANNOUNCED), Phase.RECOVERING, [],
+        {"recovery": lambda r: r.reason == "NodeReplacement" and r.not_before is None}, ["NodeReplacement"], 0),
     Row("running-stopped-externally", job(running_status()), obs(state=p.RayJobState.STOPPED),
         Phase.RECOVERING, [], {"last_failure": lambda f: f.reason == "JobStopped"}, ["JobStopped"], 0),
     Row("running-job-forgotten-by-head", job(running_status()), obs(state=p.RayJobState.NOT_FOUND),
@@ -438,13 +450,45 @@ ROWS = [
         job(running_status(phase="Recovering", recovery=dict(RECOVERING, reason="HeadLost"))),
         obs(state=p.RayJobState.NOT_FOUND), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(2), 2)], {},
         ["Resubmitted"], 2.0),
-    Row("recovering-restart-limit", job(running_status(phase="Recovering", recovery=RECOVERING, restarts=3)),
+    # maxRestarts (3 in the example) counts unplanned restarts only: restarts - plannedRestarts; a status written by
+    # an operator without plannedRestarts reads it as 0
+    Row("recovering-restart-limit", job(running_status(phase="Recovering", restarts=3,
+                                                       recovery=dict(RECOVERING, reason="WorkerLost"))),
         obs(state=p.RayJobState.STOPPED), Phase.FAILED, [p.DeleteCluster()],
-        {"last_failure": lambda f: f.reason == "RestartLimitExceeded"}, ["RestartLimitExceeded"], None),
+        {"last_failure": lambda f: f.reason == "RestartLimitExceeded" and "unplanned 3 >= maxRestarts 3" in f.message},
+        ["RestartLimitExceeded"], None),
+    Row("recovering-all-restarts-planned-resubmits", job(running_status(phase="Recovering", recovery=RECOVERING,
+                                                                        restarts=3, plannedRestarts=3)),
+        obs(state=p.RayJobState.STOPPED), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(2), 2)],
+        {"restarts": 4, "planned_restarts": 4}, ["Resubmitted"], 2.0),
+    Row("recovering-planned-restart-never-refused", job(running_status(phase="Recovering", recovery=RECOVERING,
+                                                                       restarts=3)),
+        obs(state=p.RayJobState.STOPPED), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(2), 2)],
+        {"restarts": 4, "planned_restarts": 1}, ["Resubmitted"], 2.0),
+    Row("recovering-unplanned-restart-counts-only-in-restarts",
+        job(running_status(phase="Recovering", restarts=3, plannedRestarts=1,
+                           recovery=dict(RECOVERING, reason="WorkerLost"))),
+        obs(state=p.RayJobState.STOPPED), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(2), 2)],
+        {"restarts": 4}, ["Resubmitted"], 2.0, check=lambda plan: "planned_restarts" not in plan.status),
+    Row("recovering-unplanned-past-limit-after-planned-ones",
+        job(running_status(phase="Recovering", restarts=5, plannedRestarts=2,
+                           recovery=dict(RECOVERING, reason="WorkerLost"))),
+        obs(state=p.RayJobState.STOPPED), Phase.FAILED, [p.DeleteCluster()],
+        {"last_failure": lambda f: f.reason == "RestartLimitExceeded" and "restarts 5, 2 of them planned" in f.message},
+        ["RestartLimitExceeded"], None),
     Row("recovering-suspend-done", job(running_status(phase="Recovering", recovery=dict(RECOVERING, reason="Suspend")),
                                        suspend=True),
         obs(state=p.RayJobState.STOPPED), Phase.SUSPENDED, [p.DeleteCluster()], {"recovery": None}, ["Suspended"],
         None),
+    # suspend and resume are no restart, planned or not, and are never refused at the restart limit
+    Row("recovering-suspend-at-restart-limit",
+        job(running_status(phase="Recovering", restarts=3, recovery=dict(RECOVERING, reason="Suspend")), suspend=True),
+        obs(state=p.RayJobState.STOPPED), Phase.SUSPENDED, [p.DeleteCluster()], {"recovery": None}, ["Suspended"],
+        None, check=lambda plan: not {"restarts", "planned_restarts", "last_failure"} & plan.status.keys()),
+    Row("provisioning-resumed-at-restart-limit-submits",
+        job({"phase": "Provisioning", "attempt": 4, "submissionId": sid(4), "restarts": 3}),
+        obs(READY, p.RayJobState.NOT_FOUND), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(5), 5)], {"attempt": 5},
+        ["Submitted"], 2.0, check=lambda plan: not {"restarts", "planned_restarts"} & plan.status.keys()),
     # ---------------------------------------------------------------------------------------------- Suspended
     Row("suspended-deletes-cluster", job(running_status(phase="Suspended"), suspend=True),
         obs(state=p.RayJobState.UNREACHABLE), Phase.SUSPENDED, [p.DeleteCluster()], {}, [], None),
@@ -696,6 +740,39 @@ def test_a_submission_that_never_lands_is_retried_until_the_progress_deadline_th
     assert r.phase == Phase.RECOVERING and [e.reason for e in r.events] == ["Hung"] and _kinds(r) == []
     st, r = _walk(st, 1801 + 16, not_found)
     assert ("Submit", "a2") in _kinds(r) and (st["attempt"], st["restarts"]) == (2, 1)
+
+
+def test_hyperpod_maintenance_past_max_restarts_resumes_and_one_unplanned_failure_still_fails() -> None:
+    """A long job has been resubmitted maxRestarts (3) times, every time for HyperPod maintenance: a fourth node
+    replacement is checkpointed and resubmitted like the first (restarts 4, plannedRestarts 4); then one unplanned
+    failure is resubmitted (unplanned 1 of 3), and once three unplanned restarts were made the next one fails the
+    job with RestartLimitExceeded."""
+    st = running_status(restarts=3, plannedRestarts=3, attempt=4, submissionId=sid(4))
+    j = lambda status: job(status, resilience__hyperPod=True)  # noqa: E731
+
+    def walk(status: dict, seconds: float, o: p.Observed) -> tuple[dict, p.Plan]:
+        now = NOW + dt.timedelta(seconds=seconds)
+        result = p.plan(j(status), o, now)
+        return compute_status(status, o, result, None, job=j(status), now=now), result
+
+    st, r = walk(st, 0, obs(t=trainer(12, 10, attempt=4), health=ANNOUNCED))
+    assert r.phase == Phase.CHECKPOINTING
+    st, r = walk(st, 2, obs(state=p.RayJobState.STOPPED, health=ANNOUNCED,
+                            call=p.CheckpointCall(step=12, path="/c/12")))
+    assert r.phase == Phase.RECOVERING
+    st, r = walk(st, 3, obs(state=p.RayJobState.STOPPED, health=ANNOUNCED))
+    assert _kinds(r) == [("DeletePods", "")]
+    st, r = walk(st, 5, obs(state=p.RayJobState.STOPPED))
+    assert ("Submit", "a5") in _kinds(r) and (st["restarts"], st["plannedRestarts"]) == (4, 4)
+    for n in range(3):  # three unplanned failures: each resubmitted after its backoff
+        attempt = 5 + n
+        st, r = walk(st, 100 * (n + 1), obs(state=p.RayJobState.FAILED, message="boom"))
+        assert r.phase == Phase.RECOVERING, (n, r)
+        st, r = walk(st, 100 * (n + 1) + 90, obs(state=p.RayJobState.FAILED, message="boom"))
+        assert ("Submit", f"a{attempt + 1}"[-2:]) in _kinds(r), (n, r)
+    assert (st["restarts"], st["plannedRestarts"]) == (7, 4)
+    st, r = walk(st, 1000, obs(state=p.RayJobState.FAILED, message="boom"))
+    assert r.phase == Phase.FAILED and st["lastFailure"]["reason"] == "RestartLimitExceeded"
 
 
 def test_success_reports_the_steps_the_trainer_ran_not_a_later_spec_edit() -> None:

@@ -391,7 +391,9 @@ class ResilienceSpec(_Model):
     """How the operator keeps the job alive."""
 
     max_restarts: int = Field(10, ge=0, le=1000, strict=True)
-    """Resubmissions allowed before the job is Failed (infrastructure and application failures together)."""
+    """Resubmissions after unplanned failures (infrastructure and application failures together) allowed before the
+    job is Failed (RestartLimitExceeded). Planned ones, after HyperPod marked a node for replacement or reboot, do not
+    count (`status.plannedRestarts`)."""
     restart_backoff_seconds: int = Field(15, ge=0, le=3600, strict=True)
     """Base of the exponential backoff between restarts (doubles per consecutive failure, capped at 10 minutes)."""
     hyper_pod: bool = True
@@ -597,7 +599,10 @@ class RLTrainingJobStatus(_Model):
     latest_checkpoint: CheckpointRef | None = None
     """Newest verified checkpoint."""
     restarts: int = 0
-    """Resubmissions so far."""
+    """Resubmissions so far, planned ones included."""
+    planned_restarts: int = 0
+    """Of `restarts`, those after HyperPod marked a node for replacement or reboot; `restarts - plannedRestarts`
+    counts against `spec.resilience.maxRestarts`."""
     last_failure: FailureInfo | None = None
     """Last failure handled."""
     metrics: JobMetrics | None = None
