@@ -97,6 +97,12 @@ class NodeHealth:
             False), for the Provisioning condition's message.
         head_created: ``creationTimestamp`` of the newest head pod not being deleted (``None`` without one): a head
             created after an attempt started is a new Ray cluster that cannot be running that attempt's Ray job.
+        not_ready: ``(pod, since)`` for each pod in phase Running, not Ready, not being deleted, on a node that
+            exists, is Ready and may run it (else it is in ``bad_pods`` already), whatever the attempt: ``since`` is
+            the later of its ``Ready`` condition's ``lastTransitionTime`` and its containers' latest start
+            (``state.running.startedAt``), so the time a pod spent pulling its image or restarting a container does
+            not count. A pod without a usable time is not listed. The planner deletes those not Ready for longer
+            than its grace while recovering (:meth:`stale_not_ready`).
     """
 
     announced: tuple[NodeIssue, ...] = ()
@@ -107,6 +113,7 @@ class NodeHealth:
     ready_pods: int = 0
     head_created: dt.datetime | None = None
     unscheduled: tuple[str, ...] = ()
+    not_ready: tuple[tuple[str, dt.datetime], ...] = ()
 
     @property
     def head_lost(self) -> bool:
@@ -135,6 +142,22 @@ class NodeHealth:
         if not left:
             return self, None
         return dataclasses.replace(self, lost_pods=tuple(kept)), min(left)
+
+    def stale_not_ready(self, now: dt.datetime, grace: float) -> tuple[tuple[str, ...], float | None]:
+        """The pods of :attr:`not_ready` not Ready for longer than ``grace`` seconds at ``now`` (sorted names), and
+        the seconds until the first of the others gets there (``None`` when there is none). ``grace <= 0`` lists
+        none: a pod KubeRay just recreated is never Ready at once, so "no grace" would delete every new pod."""
+        if grace <= 0:
+            return (), None
+        stale: list[str] = []
+        left: list[float] = []
+        for name, since in self.not_ready:
+            waited = (now - since).total_seconds()
+            if waited > grace:
+                stale.append(name)
+            else:
+                left.append(grace - waited)
+        return tuple(sorted(stale)), (min(left) if left else None)
 
     @property
     def only_not_ready(self) -> bool:
@@ -216,6 +239,21 @@ def _transition_time(condition: Mapping[str, Any] | None) -> dt.datetime | None:
         return None
 
 
+def _not_ready_since(pod: Mapping[str, Any]) -> dt.datetime | None:
+    """From when a Running pod that is not Ready counts as such: the later of its ``Ready`` condition's
+    ``lastTransitionTime`` and the newest ``state.running.startedAt`` of its containers (a pod that pulled its image
+    for minutes, or whose container just restarted, has had no chance to pass its readiness probe before that);
+    ``None`` when neither is known."""
+    times = [_transition_time(_condition(pod, "Ready"))]
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        try:
+            times.append(parse_time(((cs.get("state") or {}).get("running") or {}).get("startedAt")))
+        except (TypeError, ValueError):
+            pass
+    known = [t for t in times if t is not None]
+    return max(known) if known else None
+
+
 def _terminated_reason(pod: Mapping[str, Any]) -> str:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         for key in ("state", "lastState"):
@@ -256,6 +294,7 @@ def node_health(
     deleting: set[str] = set()
     head_created: dt.datetime | None = None
     unscheduled: list[str] = []
+    not_ready: list[tuple[str, dt.datetime]] = []
     for pod in pods:
         meta = pod.get("metadata") or {}
         name = meta.get("name", "")
@@ -284,11 +323,16 @@ def node_health(
                                .rstrip(": "))
         is_ready = pod_ready(pod)
         ready += is_ready
+        host = nodes.get(node) if node else None
+        if (not is_ready and phase == "Running" and host is not None
+                and node_schedulable(host, hyperpod=hyperpod)):
+            since_not_ready = _not_ready_since(pod)
+            if since_not_ready is not None:
+                not_ready.append((name, since_not_ready))
         if since is not None and created is not None and created > since:
             lost_pods.append(PodIssue(name, node, role, "PodReplaced",
                                       f"created {format_time(created)} after the attempt started {format_time(since)}"))
         elif since is not None and not is_ready:
-            host = nodes.get(node) if node else None
             host_ready = host is not None and node_ready(host)
             # a pod on a Ready node may be blinking (a readiness probe failing under load): the planner gives it a
             # grace period from its Ready condition's last flip; on a gone or NotReady node it is lost at once
@@ -336,6 +380,7 @@ def node_health(
         ready_pods=ready,
         head_created=head_created,
         unscheduled=tuple(unscheduled),
+        not_ready=tuple(not_ready),
     )
 
 

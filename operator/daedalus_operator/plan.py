@@ -35,6 +35,9 @@ Failure handling, in DESIGN order:
    A pod that is only not Ready (Running or Pending on a Ready node: a readiness probe failing under load) is lost
    only once its ``Ready`` condition has been False for longer than ``pod_ready_grace``; then the trainer, when it
    answers, is asked for a checkpoint before the stop. A pod on a gone or NotReady node is lost at once.
+   While Recovering, a pod Running but not Ready on a good node for longer than ``pod_ready_grace`` (counted from
+   its Ready condition's last flip or its containers' latest start, whichever is later) is deleted like a pod on a
+   bad node, so that KubeRay recreates it: otherwise the cluster never becomes usable and recovery waits for ever.
 4. Every resubmission counts in ``status.restarts``; those after a planned cause (a HyperPod replacement or reboot,
    :data:`api.PLANNED_REASONS`) also in ``status.plannedRestarts``. Only unplanned ones count against
    ``maxRestarts``: once ``restarts - plannedRestarts >= maxRestarts``, the next unplanned failure makes the job Failed
@@ -226,7 +229,9 @@ class JobView:
 class Timing:
     """Operator timing knobs (seconds): ``poll`` between looks while a job is active; ``unreachable_grace`` before an
     unanswering dashboard counts as a lost head; ``pod_ready_grace`` before a Running job's pod that is not Ready on
-    a Ready node (its ``Ready`` condition False for longer than this) counts as lost (0: at once)."""
+    a Ready node (its ``Ready`` condition False for longer than this) counts as lost (0: at once), and before a
+    Recovering job's pod Running but not Ready on a good node is deleted to be recreated (0: never, a recreated pod
+    is not Ready at once)."""
 
     poll: float = 2.0
     unreachable_grace: float = 60.0
@@ -819,9 +824,20 @@ def _recovering(b: _Builder) -> Plan:
         return b.done()
     if b.restart_limit_reached(rec.reason):
         return b.fail(Reason.RESTART_LIMIT, b.limit_message(rec.reason, rec.message))
-    if o.health.bad_pods and c.exists and not c.deleting:
-        b.act(DeletePods(o.health.bad_pods))
+    # A pod Running but not Ready on a good node for longer than pod_ready_grace (its readiness probe failing since
+    # it started: a raylet that cannot join, a wedged container) would keep _cluster_usable false for ever; deleted
+    # like a pod on a bad node, KubeRay creates a fresh one. Until then look again when the first grace ends.
+    stale, grace_left = o.health.stale_not_ready(b.now, b.timing.pod_ready_grace)
+    doomed = tuple(sorted(set(o.health.bad_pods) | set(stale)))
+    if doomed and c.exists and not c.deleting:
+        b.act(DeletePods(doomed))
+        if stale:
+            b.event("RecreatingPods", f"deleting pod(s) {', '.join(stale)}: Running but not Ready for longer than "
+                    f"{b.timing.pod_ready_grace:.0f} s on a Ready node while recovering; KubeRay recreates them",
+                    EventType.WARNING)
         return b.requeue()
+    if grace_left is not None:
+        b.requeue(min(b.timing.poll, grace_left))
     wait = b.seconds_since(rec.not_before)
     if wait is not None and wait < 0:
         return b.requeue(-wait)

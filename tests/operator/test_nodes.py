@@ -205,3 +205,37 @@ def test_submission_id() -> None:
         api.submission_id("job", "0f1e", 0)
     with pytest.raises(ValueError):
         api.submission_id("job", "", 1)
+
+
+def _not_ready(p: dict, flipped: dt.datetime | None, started: dt.datetime | None) -> dict:
+    """``p`` not Ready since ``flipped`` (its Ready condition's lastTransitionTime), its container running since
+    ``started``."""
+    cond = p["status"]["conditions"][0]
+    if flipped is not None:
+        cond["lastTransitionTime"] = format_time(flipped)
+    if started is not None:
+        p["status"]["containerStatuses"] = [{"name": "ray-worker", "state": {"running": {
+            "startedAt": format_time(started)}}}]
+    return p
+
+
+def test_not_ready_pods_on_good_nodes_are_listed_with_the_later_of_the_flip_and_the_container_start() -> None:
+    """``not_ready`` is what the planner times while recovering (no attempt: ``since`` None): Running pods, not Ready,
+    on a Ready node that may run them. A container that started after the Ready condition flipped (an image pulled
+    for minutes, a restart) counts from its start; Pending pods, pods on bad nodes (``bad_pods`` already) and pods
+    without any time are not listed."""
+    t_flip, t_start = T0, T0 + dt.timedelta(seconds=300)
+    nodes = dict(NODES, c=node("c", ready="False"), d=node("d", cordoned=True))
+    pods = [pod("h", "a", "head"),
+            _not_ready(pod("w-flip", "a", ready=False), t_flip, None),
+            _not_ready(pod("w-started", "b", ready=False), t_flip, t_start),
+            _not_ready(pod("w-pending", "b", phase="Pending", ready=False), t_flip, None),
+            _not_ready(pod("w-bad-node", "c", ready=False), t_flip, None),
+            _not_ready(pod("w-cordoned", "d", ready=False), t_flip, None),
+            pod("w-no-time", "b", ready=False)]
+    h = node_health(pods, nodes, hyperpod=True, since=None, expected_pods=8)
+    assert h.not_ready == (("w-flip", t_flip), ("w-started", t_start))
+    assert h.bad_pods == ("w-bad-node", "w-cordoned") and h.lost_pods == ()
+    now = t_start + dt.timedelta(seconds=30)
+    assert h.stale_not_ready(now, 60.0) == (("w-flip",), 30.0)  # w-started: 30 s of its 60 left
+    assert h.stale_not_ready(now, 0.0) == ((), None)  # 0: never (a recreated pod is not Ready at once)

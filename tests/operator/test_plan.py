@@ -436,6 +436,24 @@ ROWS = [
         [], 2.0),
     Row("recovering-worker-rescheduled-not-ready", job(running_status(phase="Recovering", recovery=RECOVERING)),
         obs(state=p.RayJobState.STOPPED, health=NodeHealth(pods=2, ready_pods=1)), Phase.RECOVERING, [], {}, [], 2.0),
+    # a pod Running but never Ready on a good node would keep the cluster unusable for ever: past --pod-ready-grace
+    # (60 s) it is deleted like a pod on a bad node (KubeRay recreates it); within it, looked at when it ends
+    Row("recovering-pod-not-ready-past-grace-is-recreated",
+        job(running_status(phase="Recovering", recovery=RECOVERING)),
+        obs(state=p.RayJobState.STOPPED, health=NodeHealth(pods=2, ready_pods=1, not_ready=(
+            ("local-tiny-ray-cpu-worker-abcde", NOW - dt.timedelta(seconds=61)),))), Phase.RECOVERING,
+        [p.DeletePods(("local-tiny-ray-cpu-worker-abcde",))], {}, ["RecreatingPods"], 2.0,
+        check=lambda plan: "local-tiny-ray-cpu-worker-abcde" in plan.events[0].message),
+    Row("recovering-pod-not-ready-within-grace-waits",
+        job(running_status(phase="Recovering", recovery=RECOVERING)),
+        obs(state=p.RayJobState.STOPPED, health=NodeHealth(pods=2, ready_pods=1, not_ready=(
+            ("local-tiny-ray-cpu-worker-abcde", NOW - dt.timedelta(seconds=59.5)),))), Phase.RECOVERING, [], {}, [],
+        0.5),
+    Row("recovering-pod-not-ready-and-pod-on-bad-node-deleted-together",
+        job(running_status(phase="Recovering", recovery=RECOVERING)),
+        obs(state=p.RayJobState.STOPPED, health=dataclasses.replace(ANNOUNCED, ready_pods=1, not_ready=(
+            ("local-tiny-ray-head-x", NOW - dt.timedelta(seconds=120)),))), Phase.RECOVERING,
+        [p.DeletePods(("local-tiny-ray-cpu-worker-abcde", "local-tiny-ray-head-x"))], {}, ["RecreatingPods"], 2.0),
     Row("recovering-cluster-gone", job(running_status(phase="Recovering", recovery=dict(RECOVERING,
                                                                                         reason="ClusterLost"))),
         obs(GONE, p.RayJobState.UNREACHABLE, health=NodeHealth()), Phase.RECOVERING, [p.EnsureChildren()], {}, [],
@@ -645,6 +663,36 @@ def test_a_pod_not_ready_counts_as_lost_after_the_grace_unless_its_node_is_not_r
     else:
         assert result.actions == [p.StopJob(sid(1))] and result.status["recovery"].reason == "HeadLost"
         assert "node node-a not Ready" in result.status["recovery"].message
+
+
+@pytest.mark.parametrize("grace,flipped_ago,started_ago,deleted", [
+    (60.0, 600, None, True),  # not Ready for 10 minutes on a Ready node: recreated
+    (60.0, 600, 30, False),  # its container started 30 s ago (image pull, restart): still inside the grace
+    (60.0, 600, 90, True),
+    (0.0, 600, None, False),  # --pod-ready-grace 0: never (a recreated pod is never Ready at once)
+])
+def test_recovery_recreates_a_pod_that_stays_not_ready_on_a_ready_node(
+        grace: float, flipped_ago: float, started_ago: float | None, deleted: bool) -> None:
+    """From pod and node bodies as the handlers read them while Recovering (no attempt: ``since`` None): a worker
+    Running but not Ready on a Ready node past the grace is deleted, so that recovery does not wait for a cluster
+    that never becomes usable; a healthy job with that worker would otherwise requeue forever."""
+    from daedalus_operator.nodes import node_health
+
+    worker = _pod("local-tiny-ray-cpu-worker-y", "node-b", "worker", False, NOW - dt.timedelta(seconds=flipped_ago))
+    if started_ago is not None:
+        worker["status"]["containerStatuses"] = [{"name": "ray-worker", "state": {"running": {
+            "startedAt": ago(started_ago)}}}]
+    pods = [_pod("local-tiny-ray-head-x", "node-a", "head", True, NOW - dt.timedelta(seconds=900)), worker]
+    nodes = {"node-a": _node("node-a", True), "node-b": _node("node-b", True)}
+    health = node_health(pods, nodes, hyperpod=False, since=None, expected_pods=2)
+    st = running_status(phase="Recovering", recovery=dict(RECOVERING, reason="WorkerLost"))
+    result = p.plan(job(st), obs(state=p.RayJobState.STOPPED, health=health), NOW, p.Timing(pod_ready_grace=grace))
+    assert result.phase == Phase.RECOVERING
+    if deleted:
+        assert result.actions == [p.DeletePods(("local-tiny-ray-cpu-worker-y",))]
+        assert [e.reason for e in result.events] == ["RecreatingPods"]
+    else:
+        assert result.actions == [] and result.events == []  # waits for the pod (the old behaviour, within grace)
 
 
 # ------------------------------------------------------------------------------------------------ one attempt at a time
