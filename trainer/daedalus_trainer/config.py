@@ -397,7 +397,10 @@ class ResilienceSpec(_Model):
     restart_backoff_seconds: int = Field(15, ge=0, le=3600, strict=True)
     """Base of the exponential backoff between restarts (doubles per consecutive failure, capped at 10 minutes)."""
     hyper_pod: bool = True
-    """Watch the SageMaker HyperPod node-health label and keep pods off nodes it marks `Unschedulable*`."""
+    """Watch the SageMaker HyperPod node-health label and keep pods off nodes it marks `Unschedulable*`. An edit
+    changes the watching at once; the required node affinity is part of the RayCluster's pod templates, set when the
+    RayCluster is created (never patched; pods KubeRay recreates keep it): it follows the edit with the next
+    RayCluster, e.g. after suspend and resume."""
     checkpoint_on_node_warning: bool = True
     """When HyperPod marks a node for replacement or reboot, checkpoint before stopping (zero lost steps)."""
     checkpoint_timeout_seconds: int = Field(300, ge=1, le=86_400, strict=True)
