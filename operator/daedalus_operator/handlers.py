@@ -11,8 +11,10 @@ Registered by :func:`register` on an explicit registry (the timer interval is a 
 - indexes of the job's pods, the nodes, and the job's RayClusters/RayServices (kept current by kopf's watches).
 - ``@kopf.on.create`` / ``on.update`` (spec) / ``on.resume`` and a ``@kopf.timer`` every ``--poll-interval``: one
   reconcile of the job; a per-job lock keeps two of them from overlapping.
-- ``@kopf.on.delete`` (the finalizer): stop the Ray job, delete the children, and release after
-  ``--deletion-timeout`` seconds whatever failed.
+- ``@kopf.on.delete`` (the finalizer): a Running (or Checkpointing) job's trainer is first asked to checkpoint and
+  stop (``POST /stop``, waited for at most ``min(checkpointTimeoutSeconds, --deletion-timeout)`` seconds through
+  short ``kopf.TemporaryError`` retries, :func:`checkpoint_before_deletion`); then stop the Ray job, delete the
+  children, and release after ``--deletion-timeout`` seconds whatever failed.
 - ``@kopf.on.probe``: the liveness endpoint fails when the API server has not answered for ``--liveness-stale``
   seconds (:func:`liveness`: ``GET /version``; any HTTP answer, a 403 included, counts as an answer).
 
@@ -258,6 +260,8 @@ class Runtime:
     ray: dict[str, RayJobs] = dataclasses.field(default_factory=dict)
     tokens: dict[str, str] = dataclasses.field(default_factory=dict)
     deleting: dict[str, float] = dataclasses.field(default_factory=dict)  # uid -> monotonic time first seen deleting
+    # uid -> how the checkpoint before deletion ended (decided once per deletion; dropped when the finalizer releases)
+    deletion_checkpoints: dict[str, "DeletionCheckpoint"] = dataclasses.field(default_factory=dict)
     made: dict[str, "Children"] = dataclasses.field(default_factory=dict)  # uid -> the children known to exist
     gates: dict[str, PollGate] = dataclasses.field(default_factory=dict)  # uid -> when the timer next reconciles
     budgeted: int = 0  # gates with budgeted=True
@@ -722,30 +726,172 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
 
 
 # ------------------------------------------------------------------------------------------------ deletion
-def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
-    """Stop the Ray job, delete every child; give up (and let kopf release the finalizer) after
-    ``deletion_timeout`` seconds from ``deletionTimestamp``.
+#: Phases in which a trainer runs and answers on its control port: deleting such a job first asks it for a checkpoint
+#: (:func:`checkpoint_before_deletion`). Every other phase (Pending, Provisioning, Recovering, Suspended, Succeeded,
+#: Failed) has no trainer to ask, or nothing left to save.
+CHECKPOINT_ON_DELETE_PHASES = frozenset({api.Phase.RUNNING.value, api.Phase.CHECKPOINTING.value})
+
+#: Seconds between the finalizer's looks at the checkpoint it is waiting for (the ``kopf.TemporaryError`` delay; the
+#: call itself runs in the background, :class:`~daedalus_operator.submit.CheckpointCalls`).
+DELETION_POLL_SECONDS = 1.0
+
+#: Event reasons of the checkpoint before deletion: written (Normal), or why none was (Warning).
+CHECKPOINTED_BEFORE_DELETION = "CheckpointedBeforeDeletion"
+NO_CHECKPOINT_BEFORE_DELETION = "NoCheckpointBeforeDeletion"
+
+
+def deletion_checkpoint_key(submission_id: str) -> str:
+    """The :class:`~daedalus_operator.submit.CheckpointCalls` key of the checkpoint asked for before deleting the
+    attempt ``submission_id``: apart from the planner's call (keyed by the submission id alone), whose earlier
+    success must not pass for this one."""
+    return f"{submission_id}/deletion"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeletionCheckpoint:
+    """How the checkpoint step of a deletion ended. ``step``/``path``: the checkpoint the trainer wrote (``None``: none
+    was); ``reason``/``message``: the event (``reason`` ``None``: a log line only, for a job without a running
+    trainer); ``warning``: the event is a Warning."""
+
+    message: str
+    step: int | None = None
+    path: str | None = None
+    reason: str | None = None
+    warning: bool = False
+
+
+def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, cluster_error: str | None,
+                               waited: float) -> DeletionCheckpoint:
+    """Ask the running trainer of a job being deleted to checkpoint and stop before its Ray job is stopped, bounded.
+
+    The job's checkpoints live in ``<checkpoint.path>/<namespace>/<name>`` (:func:`api.checkpoint_root`) and every
+    attempt starts with ``--resume latest``, so a job created again under the same name (``kubectl delete`` then
+    ``apply``, Argo CD's replace) resumes from the checkpoint written here instead of the last periodic one.
+
+    Only a job whose status phase is in :data:`CHECKPOINT_ON_DELETE_PHASES`, with a submission id, whose RayCluster
+    exists and is not being deleted, and whose Ray job has not ended is asked: ``POST /stop`` (the job's token)
+    through :class:`~daedalus_operator.submit.CheckpointCalls` under :func:`deletion_checkpoint_key`, in the
+    background; each later call of this function (kopf retries the finalizer) reads the call's state. ``/stop``
+    rather than ``/checkpoint``: the trainer exits right after the checkpoint, so no step runs between it and the Ray
+    job's stop (measured with the stand-in trainer at 0.3 s per step: ``/checkpoint`` lost the 2 steps run until the
+    finalizer's next look; ``/stop`` none). A failure that asking again may mend
+    (:attr:`~daedalus_operator.plan.CheckpointCall.retryable`: no answer, 401 with the token read again) is asked
+    again. The wait ends at ``min(spec.resilience.checkpointTimeoutSeconds, deletion_timeout)`` seconds of
+    ``waited``; the trainer is told that much as its ``?timeout=``.
+
+    Args:
+        rt: the runtime (settings, calls, tokens, the Kubernetes client for the token Secret).
+        body: the job being deleted.
+        cluster: its RayCluster as :func:`~daedalus_operator.nodes.read_cluster` read it (nothing when unknown).
+        cluster_error: why reading the RayCluster failed (``None``: it was read).
+        waited: seconds since the deletion was first seen (``deletionTimestamp`` or this process, the later).
+
+    Returns:
+        The outcome, once there is one: the checkpoint written, or why none was.
 
     Raises:
-        kopf.TemporaryError: something failed and the deadline has not passed yet.
+        kopf.TemporaryError: still waiting (the call in flight, a retry started, the RayCluster or the token Secret not
+            readable yet) and the bound not reached; ``delay`` at most :data:`DELETION_POLL_SECONDS`.
+    """
+    status = body.get("status") or {}
+    phase = status.get("phase") or "Pending"
+    sid = status.get("submissionId")
+    if phase not in CHECKPOINT_ON_DELETE_PHASES or not sid:
+        return DeletionCheckpoint(f"no checkpoint before deletion: the job is {phase}, no trainer runs")
+    job = job_view(body)
+    limit = float(job.spec.resilience.checkpoint_timeout_seconds) if job.spec else 300.0
+    bound = min(limit, rt.settings.deletion_timeout)
+    left = bound - waited
+    key = deletion_checkpoint_key(sid)
+
+    def wait(why: str) -> kopf.TemporaryError:
+        return kopf.TemporaryError(f"{why}; the Ray job is stopped after the checkpoint or in {max(0.0, left):.0f} s",
+                                   delay=min(DELETION_POLL_SECONDS, max(0.2, left)))
+
+    def none(why: str) -> DeletionCheckpoint:
+        return DeletionCheckpoint(f"no checkpoint before deletion of attempt {sid}: {why}; steps since the latest "
+                                  f"checkpoint are lost", reason=NO_CHECKPOINT_BEFORE_DELETION, warning=True)
+
+    if cluster_error is not None:
+        if left > 0:
+            raise wait(f"reading the RayCluster to ask the trainer for a checkpoint: {cluster_error}")
+        return none(f"the RayCluster could not be read within {bound:g} s ({cluster_error})")
+    if not cluster.exists or cluster.deleting:
+        return none("its RayCluster is " + ("already being deleted (a foreground cascading deletion deletes it with "
+                                            "the job)" if cluster.exists else "gone"))
+    if not cluster.control_url:
+        return none("its RayCluster has no head address")
+    call = rt.calls.get(key)
+    if call.step is not None:
+        return DeletionCheckpoint(f"checkpoint at step {call.step} written before deletion of attempt {sid} "
+                                  f"({call.path}); the job resumes from it if created again under this name",
+                                  step=call.step, path=call.path, reason=CHECKPOINTED_BEFORE_DELETION)
+    if call.in_flight:
+        if left > 0:
+            raise wait(f"waiting for the trainer's checkpoint before stopping Ray job {sid}")
+        return none(f"the trainer wrote no checkpoint within {bound:g} s")
+    if call.error is not None and not call.retryable:
+        return none(f"the trainer answered {call.error}")
+    if left <= 0:
+        return none(f"no answer from the trainer within {bound:g} s" + (f" ({call.error})" if call.error else ""))
+    if call.error is None and cluster.dashboard_url:  # the first request: is there a trainer to ask at all?
+        ray_job = rt.ray_jobs(cluster.dashboard_url).status(sid)
+        if ray_job.state.ended or ray_job.state == RayJobState.NOT_FOUND:
+            return DeletionCheckpoint(f"no checkpoint before deletion: Ray job {sid} is "
+                                      f"{ray_job.state.value.lower()}, no trainer runs")
+    if call.http_status == 401:
+        rt.tokens.pop(job.uid, None)  # the Secret was replaced: read the token again
+    try:
+        token = _token(rt, job)
+    except kube.KubeError as e:
+        raise wait(f"reading the control token for the checkpoint before deletion: {e}") from None
+    control = TrainerControl(cluster.control_url, token=token, timeout=rt.settings.request_timeout)
+    rt.calls.start(key, control, left, stop=True)
+    raise wait(f"checkpoint requested from the trainer of {sid} before stopping it"
+               + (f" (again, after: {call.error})" if call.error else ""))
+
+
+def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
+    """Checkpoint a running trainer (:func:`checkpoint_before_deletion`), stop the Ray job, delete every child; give
+    up (and let kopf release the finalizer) after ``deletion_timeout`` seconds from ``deletionTimestamp``.
+
+    The checkpoint's outcome is logged, and for a job whose trainer was running posted as an event
+    (``CheckpointedBeforeDeletion`` with the step, or Warning ``NoCheckpointBeforeDeletion`` with the reason), once
+    per deletion.
+
+    Raises:
+        kopf.TemporaryError: waiting for the checkpoint, or something failed, and the deadline has not passed yet.
     """
     meta = body.get("metadata") or {}
     namespace, name = meta["namespace"], meta["name"]
+    uid = meta.get("uid", f"{namespace}/{name}")
     # deletionTimestamp has one-second resolution; the first time this process saw the deletion bounds it from the
     # other side (after an operator restart the wait is at most one more deletion_timeout).
     started = parse_time(meta.get("deletionTimestamp")) or _utcnow()
     with rt.guard:
-        first_seen = rt.deleting.setdefault(meta.get("uid", f"{namespace}/{name}"), time.monotonic())
+        first_seen = rt.deleting.setdefault(uid, time.monotonic())
     waited = min((_utcnow() - started).total_seconds(), time.monotonic() - first_seen)
     status = body.get("status") or {}
     problems: list[str] = []
     sid = status.get("submissionId")
+    cluster_error = None
     try:
         cluster_body = rt.kube.get(kube.RAYCLUSTERS, namespace, api.raycluster_name(name)) if rt.kube else None
     except kube.KubeError as e:  # within the deadline like every other failure here (kopf alone retries for ever)
-        problems.append(f"get raycluster/{api.raycluster_name(name)}: {e}")
+        cluster_error = f"get raycluster/{api.raycluster_name(name)}: {e}"
+        problems.append(cluster_error)
         cluster_body = None  # unknown: no Ray job stop; the deletes below are still tried
     cluster = read_cluster(cluster_body, control_port=rt.settings.control_port)
+    with rt.guard:
+        decided = uid in rt.deletion_checkpoints
+    if not decided:
+        outcome = checkpoint_before_deletion(rt, body, cluster, cluster_error, waited)  # raises while waiting
+        with rt.guard:
+            rt.deletion_checkpoints[uid] = outcome
+        (logger.warning if outcome.warning else logger.info)(outcome.message)
+        if outcome.reason:
+            kopf.event(body, type="Warning" if outcome.warning else "Normal", reason=outcome.reason,
+                       message=outcome.message[:1024])
     if sid and cluster.dashboard_url and not cluster.deleting:
         try:
             rt.ray_jobs(cluster.dashboard_url).stop(sid)
@@ -767,7 +913,10 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     if problems and waited < rt.settings.deletion_timeout:
         raise kopf.TemporaryError("; ".join(problems), delay=min(2.0, max(0.2, rt.settings.deletion_timeout - waited)))
     with rt.guard:
-        rt.deleting.pop(meta.get("uid", f"{namespace}/{name}"), None)
+        rt.deleting.pop(uid, None)
+        rt.deletion_checkpoints.pop(uid, None)
+    if sid:
+        rt.calls.forget(deletion_checkpoint_key(sid))
     if problems:
         logger.warning(f"releasing the finalizer after {waited:.0f} s despite: {'; '.join(problems)}")
     rt.metrics.forget_job(namespace, name)

@@ -319,3 +319,171 @@ def test_is_quiet() -> None:
         assert not is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=2.0), "Running", running, 2.0, trainer)
     assert is_quiet("requeue", Plan(Phase.RUNNING, requeue_after=2.0), "Running", running, 2.0,
                     TrainerObservation(reachable=True, step=41, attempt=2))
+
+
+# ------------------------------------------------------------------------------------------------ deleting a job
+class ControlTrainer:
+    """The trainer's control port as the finalizer meets it: records every ``POST`` (path, ``Authorization``,
+    ``timeout`` query) and answers them with ``answers`` in order, each ``(HTTP status, body)``, after
+    ``delay`` seconds; ``None``: never answers until :meth:`close`."""
+
+    def __init__(self, *answers: tuple[int, dict] | None, delay: float = 0.0):
+        self.seen: list[tuple[str, str, str]] = []
+        self.released = threading.Event()
+        outer = self
+        queue = list(answers)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's hook
+                from urllib.parse import parse_qs, urlsplit
+
+                url = urlsplit(self.path)
+                outer.seen.append((url.path, self.headers.get("Authorization", ""),
+                                   parse_qs(url.query).get("timeout", [""])[0]))
+                answer = queue.pop(0) if queue else (500, {"error": "unexpected request"})
+                if answer is None:
+                    outer.released.wait(30)
+                    return
+                time.sleep(delay)
+                body = json.dumps(answer[1]).encode()
+                self.send_response(answer[0])
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.port = self.server.server_address[1]
+
+    def close(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _deleted_body(phase: str = "Running", checkpoint_timeout: int | None = None) -> dict:
+    doc = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
+    doc["metadata"].update(namespace="ml", uid="0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", generation=1,
+                           deletionTimestamp="2026-01-01T00:00:00Z")
+    if checkpoint_timeout is not None:
+        doc["spec"]["resilience"]["checkpointTimeoutSeconds"] = checkpoint_timeout
+    doc["status"] = {"phase": phase, "attempt": 1, "submissionId": "local-tiny-0f1e2d3c-a1", "currentStep": 5}
+    return doc
+
+
+def _head(trainer: ControlTrainer, **kw) -> ClusterState:
+    from ray_head import free_port
+
+    # the dashboard port answers nothing: the Ray job's state is unknown, so the trainer is asked
+    return ClusterState(exists=True, ready=True, head_host="127.0.0.1", control_port=trainer.port,
+                        dashboard_port=free_port(), **kw)
+
+
+def _until_decided(rt: Runtime, body: dict, cluster: ClusterState, clock: list[float]) -> tuple[object, int]:
+    """Call checkpoint_before_deletion as kopf retries the finalizer (after each TemporaryError's delay) until it
+    decides; ``clock[0]`` is the ``waited`` it is given (seconds, advanced by each delay). Returns (outcome, waits)."""
+    from daedalus_operator.handlers import DELETION_POLL_SECONDS, checkpoint_before_deletion
+
+    waits = 0
+    for _ in range(200):
+        try:
+            return checkpoint_before_deletion(rt, body, cluster, None, clock[0]), waits
+        except kopf.TemporaryError as e:
+            assert 0 < e.delay <= DELETION_POLL_SECONDS
+            waits += 1
+            time.sleep(0.05)  # the background call progresses in real time; the bound is kept by ``clock``
+            clock[0] += e.delay
+    raise AssertionError("checkpoint_before_deletion never decided")
+
+
+def test_deleting_a_running_job_asks_its_trainer_for_one_checkpoint_and_stop_with_the_token() -> None:
+    from daedalus_operator.handlers import CHECKPOINTED_BEFORE_DELETION, checkpoint_before_deletion
+
+    trainer = ControlTrainer((200, {"step": 17, "path": "/c/step-000017", "time": "2026-01-01T00:00:09Z"}),
+                             delay=0.5)
+    try:
+        rt = Runtime(settings=OperatorSettings(request_timeout=1.0), metrics=OperatorMetrics())
+        rt.kube = SecretOnly("tok")
+        body, cluster = _deleted_body(), _head(trainer)
+        with pytest.raises(kopf.TemporaryError):  # the request is made in the background: the finalizer waits
+            checkpoint_before_deletion(rt, body, cluster, None, 0.0)
+        outcome, waits = _until_decided(rt, body, cluster, [0.0])
+        assert waits >= 1  # the call was in flight for half a second: looked at again, never asked twice
+        assert trainer.seen == [("/stop", "Bearer tok", "120")]  # min(300 s spec, 120 s deletion_timeout)
+        assert (outcome.step, outcome.path, outcome.reason, outcome.warning) == (
+            17, "/c/step-000017", CHECKPOINTED_BEFORE_DELETION, False)
+        assert "step 17" in outcome.message
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("checkpoint_timeout, deletion_timeout, bound", [(300, 3.0, 3.0), (2, 120.0, 2.0)],
+                         ids=["deletion-timeout", "checkpointTimeoutSeconds"])
+def test_a_trainer_that_never_answers_holds_the_deletion_no_longer_than_the_bound(
+        checkpoint_timeout: int, deletion_timeout: float, bound: float) -> None:
+    from daedalus_operator.handlers import NO_CHECKPOINT_BEFORE_DELETION, checkpoint_before_deletion
+
+    trainer = ControlTrainer(None)
+    try:
+        rt = Runtime(settings=OperatorSettings(request_timeout=1.0, deletion_timeout=deletion_timeout),
+                     metrics=OperatorMetrics())
+        rt.kube = SecretOnly("tok")
+        body, cluster = _deleted_body(checkpoint_timeout=checkpoint_timeout), _head(trainer)
+        clock = [0.0]
+        outcome, _ = _until_decided(rt, body, cluster, clock)
+        assert bound <= clock[0] < bound + 1.0  # released once the bound passed, not later
+        assert trainer.seen == [("/stop", "Bearer tok", f"{bound:g}")]  # one request, told the bound
+        assert outcome.step is None and outcome.warning and outcome.reason == NO_CHECKPOINT_BEFORE_DELETION
+        assert f"within {bound:g} s" in outcome.message
+        # a look with time left at the call that still hangs waits on it: never a second request
+        with pytest.raises(kopf.TemporaryError):
+            checkpoint_before_deletion(rt, body, cluster, None, 0.0)
+        assert len(trainer.seen) == 1
+    finally:
+        trainer.close()
+
+
+def test_a_refused_checkpoint_is_asked_again_only_when_that_may_help() -> None:
+    """401 (the Secret was replaced): the token is read again and the checkpoint asked again; 409 (the trainer
+    ended) is final: stop at once, no second request."""
+    trainer = ControlTrainer((401, {"error": "wrong token"}), (200, {"step": 9, "path": "/c/9"}))
+    try:
+        rt = Runtime(settings=OperatorSettings(request_timeout=1.0), metrics=OperatorMetrics())
+        rt.kube = SecretOnly("new")
+        rt.tokens["0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"] = "old"
+        outcome, _ = _until_decided(rt, _deleted_body(), _head(trainer), [0.0])
+        assert [auth for _, auth, _ in trainer.seen] == ["Bearer old", "Bearer new"] and outcome.step == 9
+    finally:
+        trainer.close()
+    trainer = ControlTrainer((409, {"error": "trainer already finished"}))
+    try:
+        rt = Runtime(settings=OperatorSettings(request_timeout=1.0), metrics=OperatorMetrics())
+        rt.kube = SecretOnly("tok")
+        clock = [0.0]
+        outcome, _ = _until_decided(rt, _deleted_body(), _head(trainer), clock)
+        assert len(trainer.seen) == 1 and outcome.step is None and outcome.warning and "409" in outcome.message
+        assert clock[0] < 5.0  # decided on the answer, not on the bound
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("phase", ["Pending", "Provisioning", "Recovering", "Suspended", "Succeeded", "Failed"])
+def test_deleting_a_job_without_a_running_trainer_asks_for_no_checkpoint(phase: str) -> None:
+    from daedalus_operator.handlers import checkpoint_before_deletion
+
+    trainer = ControlTrainer()
+    try:
+        rt = Runtime(settings=OperatorSettings(request_timeout=1.0), metrics=OperatorMetrics())
+        rt.kube = SecretOnly("tok")
+        outcome = checkpoint_before_deletion(rt, _deleted_body(phase), _head(trainer), None, 0.0)
+        assert outcome.reason is None and not outcome.warning and phase in outcome.message  # a log line only
+        # a Running job whose RayCluster is already being deleted (foreground cascading deletion): nobody to ask
+        outcome = checkpoint_before_deletion(rt, _deleted_body(), _head(trainer, deleting=True), None, 0.0)
+        assert outcome.warning and "being deleted" in outcome.message
+        assert trainer.seen == []
+    finally:
+        trainer.close()

@@ -306,3 +306,80 @@ def test_a_quiet_job_is_looked_at_on_the_poll_budget_and_at_once_when_its_node_c
         print(f"recovered {time.monotonic() - flipped_at:.1f} s after the label")
     finally:
         env.stop()
+
+
+def control_log(env: OperatorEnv) -> list[dict]:
+    """The stand-in trainer's record of the POSTs to its control routes (``control.jsonl``)."""
+    path = env.trainer_root() / "control.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_deleting_a_running_job_checkpoints_first_and_the_job_created_again_resumes_there(env: OperatorEnv) -> None:
+    """``kubectl delete`` then ``kubectl apply`` of the same job (Argo CD's replace does the same): the finalizer asks
+    the running trainer to checkpoint and stop (``POST /stop``, the job's token), stops the Ray job only once that is
+    answered, and the job created again under the name resumes from the checkpoint: no step lost. The periodic
+    interval is the whole run, so before this every step of the deleted attempt was lost."""
+    manifest = env.job_manifest(algorithm__steps=400, checkpoint__intervalSteps=400)
+    job = env.apply(manifest)
+    env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= 3, timeout=120,
+                    message="attempt 1 stepping")
+    deleted_at = time.time()
+    env.kube.delete("daedalus.dev/v1alpha1/rltrainingjobs", "ml", "local-tiny")
+    wait_for(lambda: env.get_job() is None, timeout=60, message="the job to be gone")
+    gone_at = time.time()
+    root = env.trainer_root()
+    # exactly one checkpoint request, with the right token, and exactly the checkpoint it asked for
+    assert [(c["path"], c["authorized"]) for c in control_log(env)] == [("/stop", True)]
+    (written,) = sorted(p.name for p in root.glob("step-*"))
+    step = int(written.removeprefix("step-"))
+    assert (root / "latest").read_text().strip() == written
+    # the Ray job ended after the checkpoint (the trainer exits by itself after it; the finalizer's stop is the
+    # backstop): the trainer wrote it right after step `step`, while running, and ran no step after it
+    (ray_job,) = wait_for(lambda: (lambda js: js if js and js[0].status.is_terminal() else None)(
+        ray_jobs_of(env, job["metadata"]["uid"])), timeout=30, message="the Ray job to end")
+    assert ray_job.status.value in ("SUCCEEDED", "STOPPED"), ray_job.status
+    steps = [r for r in env.steps_log() if r["attempt"] == 1]
+    stepped_at = next(r["time"] for r in steps if r["step"] == step)
+    assert deleted_at <= stepped_at <= ray_job.end_time / 1000, (deleted_at, stepped_at, ray_job.end_time)
+    lost = max(r["step"] for r in steps) - step
+    assert lost == 0, steps
+    env.wait_event_reasons("CheckpointedBeforeDeletion")
+    (event,) = [e for e in env.events() if e["reason"] == "CheckpointedBeforeDeletion"]
+    assert event["type"] == "Normal" and f"checkpoint at step {step} written before deletion" in event["message"]
+    print(f"\ndelete -> job gone {gone_at - deleted_at:.1f} s; checkpoint at step {step}; lost steps {lost}")
+    # created again under the same name (a new uid, a new Ray job): resumes from that checkpoint
+    env.apply(manifest)
+    env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) > step, timeout=120,
+                    message="the job created again stepping")
+    again = [r["step"] for r in env.steps_log() if r["time"] > gone_at]
+    assert min(again) == step + 1, again
+
+
+def test_a_trainer_that_never_answers_holds_the_deletion_only_for_the_checkpoint_timeout(env: OperatorEnv) -> None:
+    """The trainer's process is frozen (SIGSTOP: it accepts the connection and never answers): the finalizer stops
+    the Ray job ``checkpointTimeoutSeconds`` after the deletion (here 4 s, under ``--deletion-timeout`` 120 s), says
+    why there is no checkpoint, and releases."""
+    job = env.apply(env.job_manifest(algorithm__steps=400, checkpoint__intervalSteps=400,
+                                     resilience__checkpointTimeoutSeconds=4))
+    env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= 2, timeout=120,
+                    message="attempt 1 stepping")
+    pid = trainer_status(env)["pid"]
+    os.kill(pid, signal.SIGSTOP)  # the entrypoint this test's Ray head started
+    try:
+        t0 = time.monotonic()
+        env.kube.delete("daedalus.dev/v1alpha1/rltrainingjobs", "ml", "local-tiny")
+        wait_for(lambda: env.get_job() is None, timeout=60, message="the finalizer to be released")
+        took = time.monotonic() - t0
+        print(f"\nfrozen trainer: delete -> job gone {took:.1f} s (checkpointTimeoutSeconds 4)")
+        assert 4.0 <= took < 12.0, took
+        assert not list(env.trainer_root().glob("step-*"))
+        wait_for(lambda: all(j.status.value == "STOPPED" for j in ray_jobs_of(env, job["metadata"]["uid"])),
+                 timeout=30, message="the frozen trainer's Ray job to be stopped")
+        assert "NoCheckpointBeforeDeletion" in env.wait_event_reasons("NoCheckpointBeforeDeletion")
+        (event,) = [e for e in env.events() if e["reason"] == "NoCheckpointBeforeDeletion"]
+        assert event["type"] == "Warning" and "within 4 s" in event["message"], event
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass

@@ -14,7 +14,9 @@ contract as the real trainer (``daedalus_trainer.server``):
   [?timeout=S]`` (Bearer token from ``$DAEDALUS_CONTROL_TOKEN`` or the file ``$DAEDALUS_CONTROL_TOKEN_FILE``; waits
   for the checkpoint at the next step boundary; 401 without or with a wrong token) and ``POST /stop``;
 - exports ``exports/adapter/`` at the end and exits 0;
-- appends ``{attempt, step, time}`` per completed step to ``steps.jsonl`` (ground truth for lost-step measurements).
+- appends ``{attempt, step, time}`` per completed step to ``steps.jsonl`` (ground truth for lost-step measurements)
+  and ``{attempt, path, authorized, time}`` per ``POST`` to a control route to ``control.jsonl`` (what the operator
+  asked, with or without the right token, and when).
 
 Usage: ``python standin_trainer.py --config CONFIG.json [--resume latest|none]``.
 """
@@ -60,6 +62,14 @@ class State:
         self.stop = False
         self.stop_answered = threading.Event()  # the POST /stop answer is written: safe to exit
         self.resumed_from: int | None = None
+        self.control_log: Path | None = None  # control.jsonl: one line per POST to /checkpoint or /stop
+
+    def note_control(self, path: str, authorized: bool) -> None:
+        if self.control_log is None:
+            return
+        with self.cond, open(self.control_log, "a") as f:
+            f.write(json.dumps({"attempt": self.attempt, "path": path, "authorized": authorized,
+                                "time": time.time()}) + "\n")
 
     def snapshot(self) -> dict:
         with self.cond:
@@ -105,7 +115,9 @@ def make_handler(state: State):
                 self._json(503, {"error": "no control token configured"})
                 return
             got = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {expected}".encode()):
+            authorized = hmac.compare_digest(got.encode(), f"Bearer {expected}".encode())
+            state.note_control(url.path, authorized)
+            if not authorized:
                 self._json(401, {"error": "unauthorized"})
                 return
             wait = float(parse_qs(url.query).get("timeout", ["300"])[0])
@@ -171,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     port = int(os.environ.get("DAEDALUS_METRICS_PORT", "9400"))
 
     state = State(total, attempt)
+    state.control_log = root / "control.jsonl"
     if args.resume == "latest":
         state.step, state.latest = load_latest(root)
         state.resumed_from = state.step if state.latest else None
