@@ -379,6 +379,19 @@ def test_run_eval_reports_json_table_and_gifs(tiny_checkpoint, tmp_path):
     assert "…" not in text and "192 possible layouts" in " ".join(text.split())  # the title wraps, nothing is cut
 
 
+def test_load_engine_puts_back_an_export_that_a_killed_export_left_aside(tiny_policy, tiny_job, tmp_path):
+    """A kill between export_adapter's two renames leaves the previous ``exports/adapter`` only as
+    ``.trash-adapter-<id>`` (test_checkpoint's kill test makes that state for real); ``daedalus eval --adapter
+    exports/adapter`` (load_engine) puts it back and loads it, instead of failing on a missing directory."""
+    tiny_policy.add_lora(tiny_job.spec.lora)
+    aside = tiny_policy.save_adapter(tmp_path / "exports" / ".trash-adapter-0badc0de")
+    files = {p.name: p.read_bytes() for p in aside.iterdir()}
+    engine = evaluation.load_engine(tiny_job, tiny_job.spec.model.path, tmp_path / "exports" / "adapter")
+    assert engine.policy.has_adapter
+    assert {p.name: p.read_bytes() for p in (tmp_path / "exports" / "adapter").iterdir()} == files
+    assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == ["adapter"]
+
+
 def test_run_eval_on_training_layouts(tiny_checkpoint):
     from daedalus_trainer.layouts import eval_layout_hashes, training_eval_mazes
 
