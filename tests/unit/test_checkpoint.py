@@ -44,6 +44,7 @@ from daedalus_trainer.checkpoint import (
     load_checkpoint,
     load_latest,
     resolve_resume,
+    restore_interrupted_export,
     restore_rng_state,
     verify_checkpoint,
 )
@@ -566,6 +567,76 @@ def test_export_adapter_copies_atomically_and_refuses_corrupt_source(tmp_path: P
         export_adapter(infos[1].path, dest)
     assert (dest / "adapter_model.safetensors").read_bytes() == before
     assert sorted(p.name for p in dest.parent.iterdir()) == ["adapter"]
+
+
+_EXPORT_KILLED_BETWEEN_RENAMES = """
+import os, signal, sys
+from pathlib import Path
+from daedalus_trainer.checkpoint import export_adapter
+
+dest = Path(sys.argv[2]).absolute()
+real_rename = os.rename
+
+def rename(src, dst, *args, **kwargs):  # the OS call, then kill -9 right after the old export was moved aside
+    real_rename(src, dst, *args, **kwargs)
+    if Path(src) == dest:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+os.rename = rename
+export_adapter(sys.argv[1], dest)
+print("not killed")
+"""
+
+
+def test_an_export_killed_between_its_renames_leaves_the_old_adapter_to_readers_and_the_next_export(
+        tmp_path: Path) -> None:
+    """export_adapter replaces an existing export by renaming it aside, then renaming the new copy in. A process
+    killed (SIGKILL, in a child, right after the real first rename) between the two left no ``exports/adapter`` and
+    nothing put it back. Now a reader (restore_interrupted_export, as evaluation.load_engine calls it) and the next
+    export, even one that then fails, find the old adapter back in place, byte for byte; the next good export
+    replaces it and removes the leftovers."""
+    import signal
+    import sys
+
+    root = tmp_path / "ckpt"
+    infos = save_steps(CheckpointManager(root, keep=3), [1, 2])
+    exports = tmp_path / "run" / "exports"
+    dest = exports / "adapter"
+    export_adapter(infos[1], dest)
+    first = {p.name: p.read_bytes() for p in dest.iterdir()}
+    assert set(first) == {"adapter_config.json", "adapter_model.safetensors"}
+
+    child = subprocess.run([sys.executable, "-c", _EXPORT_KILLED_BETWEEN_RENAMES, str(infos[2].path), str(dest)],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, (child.returncode, child.stdout, child.stderr[-2000:])
+    left = sorted(p.name for p in exports.iterdir())
+    assert sorted(n.rsplit("-", 1)[0] for n in left) == [".tmp-adapter", ".trash-adapter"], left  # no "adapter"
+    crashed = tmp_path / "crashed"
+    shutil.copytree(exports, crashed, symlinks=True)
+
+    def same_as_first(d: Path) -> bool:
+        return {p.name: p.read_bytes() for p in d.iterdir()} == first
+
+    # a reader
+    assert restore_interrupted_export(dest) is True
+    assert same_as_first(dest)
+    assert restore_interrupted_export(dest) is False  # nothing left to do
+
+    # the next export, one that fails on a corrupt source: the old adapter is back all the same
+    shutil.rmtree(exports)
+    shutil.copytree(crashed, exports, symlinks=True)
+    bad = tmp_path / "bad-step"
+    shutil.copytree(infos[2].path, bad)
+    (bad / "adapter" / "adapter_model.safetensors").write_bytes(b"not the manifest's bytes")
+    with pytest.raises(CheckpointCorruptError):
+        export_adapter(bad, dest)
+    assert same_as_first(dest)
+
+    # the next good export: the new adapter, and no leftovers
+    assert export_adapter(infos[2], dest) == dest.absolute()
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == {
+        p.name: p.read_bytes() for p in infos[2].adapter_dir.iterdir()}
+    assert sorted(p.name for p in exports.iterdir()) == ["adapter"]
 
 
 def test_bad_arguments_are_rejected_before_writing(tmp_path: Path) -> None:

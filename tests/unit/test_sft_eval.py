@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -211,6 +212,97 @@ def test_replacing_the_sft_checkpoint_never_deletes_the_only_complete_one(tmp_pa
     assert (tmp_path / "checkpoint" / "state.json").read_text() == "C"
 
 
+_SFT_KILLED_WRITING_ITS_MODEL = """
+import os, signal, sys
+from pathlib import Path
+
+import transformers.modeling_utils as modeling_utils
+from support.tiny_model import make_tiny_job
+
+from daedalus_trainer import sft
+
+out = Path(sys.argv[1]).absolute()
+real_save = modeling_utils.safe_save_file
+
+def save(tensors, filename, *args, **kwargs):  # the final model's weights (not the checkpoint's): half, then kill -9
+    real_save(tensors, filename, *args, **kwargs)
+    if Path(filename).absolute().parent.parent == out:
+        with open(filename, "r+b") as f:
+            f.truncate(os.path.getsize(filename) // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+modeling_utils.safe_save_file = save
+job = make_tiny_job(None, sft={"steps": 3, "batchSize": 4, "learningRate": 0.003, "maxSeconds": 0},
+                    environment={"evalMazes": 16, "maxTurns": 4})
+sft.run_sft(job, out, resume=True, progress=False, final_eval=False, accuracy_turns=4)
+print("not killed")
+"""
+
+
+def test_sft_killed_while_writing_its_model_is_not_taken_as_finished(tmp_path):
+    """A finished 2-step run continued to 3 steps in a child process that is SIGKILLed halfway through writing the
+    final model's weights. Before, the model was written in place and the old report (completed, 2 steps) stayed, so
+    the next run took the half-written model as the finished 3-step result and returned it. Now the model is written
+    into model.tmp and renamed in, the old report is gone before training, and the next run writes a complete model
+    and its report."""
+    import signal
+    import subprocess
+    import sys
+
+    fast = {"progress": False, "accuracy_turns": 4, "final_eval": False}
+    out = tmp_path / "sft"
+    sft.run_sft(_short_job(None, 2), out, resume=False, **fast)
+    child = subprocess.run([sys.executable, "-c", _SFT_KILLED_WRITING_ITS_MODEL, str(out)], capture_output=True,
+                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.returncode == -signal.SIGKILL, (child.returncode, child.stdout, child.stderr[-3000:])
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3  # killed after its checkpoint
+    assert sft.finished_result(out, 3) is None
+
+    result = sft.run_sft(_short_job(None, 3), out, resume=True, **fast)
+    report = json.loads((out / sft.REPORT_NAME).read_text())
+    assert report["completed"] and report["steps"] == 3
+    load_pretrained(result, "float32", "cpu")  # complete: the weights load
+    assert sft.finished_result(out, 3) == result == out / "model"
+    assert not (out / "model.tmp").exists() and not (out / "model.old").exists()
+
+
+def test_only_a_complete_report_and_result_count_as_a_finished_sft(tmp_path):
+    """finished_result on the states a crash leaves, made from a real finished run: the completed run counts; a
+    report of another step (an older run's), the model renamed aside with no report (a kill between
+    _atomic_replace_dir's renames), a half-written report (the old in-place write), a report whose model is missing
+    do not, and the run then continues from its checkpoint to a complete result with no leftovers."""
+    fast = {"progress": False, "accuracy_turns": 4, "final_eval": False}
+    out = tmp_path / "sft"
+    model = sft.run_sft(_short_job(None, 2), out, resume=False, **fast)
+    report_path = out / sft.REPORT_NAME
+    report_text = report_path.read_text()
+    assert sft.finished_result(out, 2) == model == out / "model"
+    assert sft.finished_result(out, 3) is None  # a report of another step
+
+    report_path.write_text(report_text[: len(report_text) // 2])  # written in place, interrupted
+    assert sft.finished_result(out, 2) is None
+    report_path.write_text(report_text)
+    (model / "config.json").unlink()  # a model directory without its config: no finished model
+    assert sft.finished_result(out, 2) is None
+
+    # a kill between the renames of the final write: model.old (the previous result), a model.tmp written again
+    # later, no model and no report
+    shutil.rmtree(model)
+    sft.run_sft(_short_job(None, 2), out, resume=True, **fast)  # the result is written again (budget spent)
+    assert sft.finished_result(out, 2) == model
+    mtime = (model / "model.safetensors").stat().st_mtime_ns
+    report_path.unlink()
+    model.rename(out / "model.old")
+    shutil.copytree(out / "model.old", out / "model.tmp")
+    (out / "model.tmp" / "model.safetensors").write_bytes(b"half")
+    assert sft.finished_result(out, 2) is None
+    assert sft.run_sft(_short_job(None, 2), out, resume=True, **fast) == model
+    assert sft.finished_result(out, 2) == model
+    assert (model / "model.safetensors").stat().st_mtime_ns != mtime  # written again, not the leftover
+    load_pretrained(model, "float32", "cpu")
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("model")) == ["model"]
+
+
 def test_sft_says_when_its_time_budget_ends_it_before_its_steps(tmp_path, caplog):
     """sft.maxSeconds reached before sft.steps: a warning with both figures (the start then follows the machine's
     speed); the report records the steps done against the step budget."""
@@ -377,6 +469,19 @@ def test_run_eval_reports_json_table_and_gifs(tiny_checkpoint, tmp_path):
     text = console.export_text()
     assert "greedy" in text and "T=1 " in text and "0.0% (0/4)" in text and "0.0%–49.0%" in text
     assert "…" not in text and "192 possible layouts" in " ".join(text.split())  # the title wraps, nothing is cut
+
+
+def test_load_engine_puts_back_an_export_that_a_killed_export_left_aside(tiny_policy, tiny_job, tmp_path):
+    """A kill between export_adapter's two renames leaves the previous ``exports/adapter`` only as
+    ``.trash-adapter-<id>`` (test_checkpoint's kill test makes that state for real); ``daedalus eval --adapter
+    exports/adapter`` (load_engine) puts it back and loads it, instead of failing on a missing directory."""
+    tiny_policy.add_lora(tiny_job.spec.lora)
+    aside = tiny_policy.save_adapter(tmp_path / "exports" / ".trash-adapter-0badc0de")
+    files = {p.name: p.read_bytes() for p in aside.iterdir()}
+    engine = evaluation.load_engine(tiny_job, tiny_job.spec.model.path, tmp_path / "exports" / "adapter")
+    assert engine.policy.has_adapter
+    assert {p.name: p.read_bytes() for p in (tmp_path / "exports" / "adapter").iterdir()} == files
+    assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == ["adapter"]
 
 
 def test_run_eval_on_training_layouts(tiny_checkpoint):

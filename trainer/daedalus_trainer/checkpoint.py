@@ -91,6 +91,7 @@ __all__ = [
     "load_latest",
     "read_latest_pointer",
     "resolve_resume",
+    "restore_interrupted_export",
     "restore_rng_state",
     "verify_checkpoint",
 ]
@@ -569,6 +570,14 @@ def _files_under(directory: Path) -> list[Path]:
     return sorted((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.relative_to(directory).as_posix())
 
 
+def _trashed_name(entry: Path) -> str | None:
+    """The name ``entry`` had before a replacement moved it aside (``.trash-<name>-<8 hex>``, a real directory),
+    else ``None``."""
+    if not (entry.name.startswith(_TRASH_PREFIX) and entry.is_dir() and not entry.is_symlink()):
+        return None
+    return entry.name[len(_TRASH_PREFIX):].rsplit("-", 1)[0]
+
+
 def _remove_tree(path: Path) -> None:
     """Delete a directory so that no half-deleted ``step-*`` is ever visible: rename to ``.trash-*`` first."""
     if not path.exists():
@@ -830,10 +839,8 @@ class CheckpointManager:
         if not self.root.is_dir():
             return
         for entry in sorted(self.root.iterdir()):
-            if not (entry.name.startswith(_TRASH_PREFIX) and entry.is_dir() and not entry.is_symlink()):
-                continue
-            name = entry.name[len(_TRASH_PREFIX):].rsplit("-", 1)[0]
-            if _step_of(name) is None or (self.root / name).exists() or verify_checkpoint(entry):
+            name = _trashed_name(entry)
+            if name is None or _step_of(name) is None or (self.root / name).exists() or verify_checkpoint(entry):
                 continue
             log.warning("restoring %s as %s: a save of the same step was interrupted before its new copy was in "
                         "place", entry.name, name)
@@ -1084,12 +1091,47 @@ class CheckpointManager:
 CheckpointRef = Union[str, os.PathLike, LoadedCheckpoint, CheckpointInfo]
 
 
+def restore_interrupted_export(dest: str | os.PathLike[str]) -> bool:
+    """Put back the previous export at ``dest`` when an :func:`export_adapter` that was replacing it died (``kill
+    -9``, node loss) between its two renames: it had moved the old adapter to ``.trash-<name>-<id>`` beside ``dest``
+    and not yet renamed the new one in, which leaves no ``dest`` at all. Where ``dest`` is missing, the newest such
+    sibling (by its weights file's modification time) that holds both :data:`ADAPTER_CONFIG` and
+    :data:`ADAPTER_WEIGHTS` is renamed back to ``dest`` and the parent directory fsynced. Such a sibling was a
+    complete export (it took ``dest``'s place by one rename); a partly deleted one lacks a required file and is
+    skipped. Called by :func:`export_adapter` before it writes and by readers of an export
+    (:func:`daedalus_trainer.evaluation.load_engine`).
+
+    Returns:
+        True when ``dest`` was put back, False when there was nothing to do (``dest`` exists, or no complete copy
+        was found).
+
+    Raises:
+        OSError: the rename or the fsync failed.
+    """
+    dest = Path(dest).absolute()
+    if dest.exists() or dest.is_symlink() or not dest.parent.is_dir():
+        return False
+    copies = [entry for entry in dest.parent.iterdir() if _trashed_name(entry) == dest.name
+              and (entry / ADAPTER_CONFIG).is_file() and (entry / ADAPTER_WEIGHTS).is_file()]
+    if not copies:
+        return False
+    newest = max(copies, key=lambda entry: ((entry / ADAPTER_WEIGHTS).stat().st_mtime_ns, entry.name))
+    log.warning("restoring %s as %s: an export that was replacing it was interrupted before the new adapter was in "
+                "place", newest.name, dest)
+    os.rename(newest, dest)
+    _fsync_path(dest.parent, directory=True)
+    return True
+
+
 def export_adapter(ckpt: CheckpointRef, dest: str | os.PathLike[str]) -> Path:
     """Copy a checkpoint's PEFT adapter to ``dest`` (conventionally ``<run>/exports/adapter``) atomically.
 
     The adapter files are verified against the checkpoint's manifest, copied into a temporary sibling of ``dest``,
-    fsynced, verified again, and renamed into place; an existing ``dest`` is replaced (moved aside first, then
-    deleted), so a reader sees either the old adapter or the new one, never a mix.
+    fsynced, verified again, and renamed into place; an existing ``dest`` is replaced (moved aside to
+    ``.trash-<name>-<id>`` first, then deleted), so a reader sees either the old adapter or the new one, never a mix.
+    A process killed between those two renames leaves no ``dest``: :func:`restore_interrupted_export` puts the old
+    one back, and runs here first, before what an interrupted export left beside ``dest`` (``.tmp-<name>-*``,
+    ``.trash-<name>-*``) is removed. One writer per ``dest`` assumed.
 
     Returns:
         ``dest`` as an absolute path.
@@ -1101,6 +1143,7 @@ def export_adapter(ckpt: CheckpointRef, dest: str | os.PathLike[str]) -> Path:
     """
     src = Path(ckpt.path if isinstance(ckpt, (LoadedCheckpoint, CheckpointInfo)) else ckpt).absolute()
     dest = Path(dest).absolute()
+    restore_interrupted_export(dest)
     doc, problems = _read_manifest(src)
     if doc is None:
         raise CheckpointCorruptError(f"cannot export from {src}: " + "; ".join(map(str, problems)), {src: problems})
@@ -1111,6 +1154,12 @@ def export_adapter(ckpt: CheckpointRef, dest: str | os.PathLike[str]) -> Path:
                                      {src: all_problems})
 
     dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists():  # leftovers of an interrupted export; never the only copy (dest is there)
+        for entry in dest.parent.iterdir():
+            if (entry.name.startswith((f"{_TMP_PREFIX}{dest.name}-", f"{_TRASH_PREFIX}{dest.name}-"))
+                    and entry.is_dir() and not entry.is_symlink()):
+                log.info("removing leftover %s of an interrupted export", entry)
+                shutil.rmtree(entry, ignore_errors=True)
     tmp = dest.with_name(f"{_TMP_PREFIX}{dest.name}-{uuid.uuid4().hex[:8]}")
     old = dest.with_name(f"{_TRASH_PREFIX}{dest.name}-{uuid.uuid4().hex[:8]}")
     try:
@@ -1125,7 +1174,7 @@ def export_adapter(ckpt: CheckpointRef, dest: str | os.PathLike[str]) -> Path:
         for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: len(p.parts), reverse=True):
             _fsync_path(d, directory=True)
         if dest.exists():
-            os.rename(dest, old)
+            os.rename(dest, old)  # a kill from here to the next rename leaves only `old` (see above)
         os.rename(tmp, dest)
         _fsync_path(dest.parent, directory=True)
     except BaseException:
@@ -1136,4 +1185,3 @@ def export_adapter(ckpt: CheckpointRef, dest: str | os.PathLike[str]) -> Path:
     shutil.rmtree(old, ignore_errors=True)
     log.info("exported adapter of %s to %s", src, dest)
     return dest
-

@@ -326,14 +326,18 @@ def _check_request(greedy: bool, sampled: bool, split: str) -> None:
 def load_engine(job: Any, model_path: str | Path, adapter_path: str | Path | None = None) -> RolloutEngine:
     """The policy to evaluate, loaded once: the checkpoint at ``model_path`` in ``model.dtype`` with the PEFT adapter
     at ``adapter_path`` on top (frozen), in eval mode, behind a :class:`TransformersEngine`. Pass it to
-    :func:`evaluate_split` for each set to evaluate.
+    :func:`evaluate_split` for each set to evaluate. An ``adapter_path`` that an export killed mid-replacement left
+    missing is put back first (:func:`daedalus_trainer.checkpoint.restore_interrupted_export`).
 
     Raises:
         FileNotFoundError: no checkpoint at ``model_path`` / no adapter at ``adapter_path``.
     """
+    from daedalus_trainer.checkpoint import restore_interrupted_export
     from daedalus_trainer.policy import load_pretrained
     from daedalus_trainer.rollout.engine import TransformersEngine
 
+    if adapter_path:
+        restore_interrupted_export(adapter_path)
     policy = load_pretrained(model_path, job.spec.model.dtype)
     if adapter_path:
         policy.load_adapter(adapter_path, trainable=False)

@@ -352,10 +352,10 @@ class SFTState:
 
 
 def _atomic_replace_dir(tmp: Path, final: Path) -> None:
-    """Put the complete directory ``tmp`` in place of ``final`` so that a crash at any point leaves one complete
-    checkpoint for :func:`_find_checkpoint`: ``final``, else ``final.old``. The ``.old`` copy is deleted only while
-    ``final`` exists (after a crash between the two renames, ``.old`` is the only checkpoint left, and it is kept
-    until ``tmp`` has taken ``final``'s place)."""
+    """Put the complete directory ``tmp`` in place of ``final`` so that a crash at any point leaves one complete copy:
+    ``final``, else ``final.old`` (for the checkpoint, :func:`_find_checkpoint` reads either). The ``.old`` copy is
+    deleted only while ``final`` exists (after a crash between the two renames, ``.old`` is the only copy left, and
+    it is kept until ``tmp`` has taken ``final``'s place)."""
     from daedalus_trainer.checkpoint import _fsync_path
 
     old = final.with_name(final.name + ".old")
@@ -370,10 +370,83 @@ def _atomic_replace_dir(tmp: Path, final: Path) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+    """fsync every file under ``root``, then every directory, deepest first, ``root`` last (a file's directory entry
+    is durable only once its directory is fsynced)."""
+    from daedalus_trainer.checkpoint import _fsync_path
+
+    paths = list(root.rglob("*"))
+    for p in paths:
+        if p.is_file() and not p.is_symlink():
+            _fsync_path(p)
+    for d in sorted({p for p in paths if p.is_dir() and not p.is_symlink()} | {root}, key=lambda d: -len(d.parts)):
+        _fsync_path(d, directory=True)
+
+
+def _save_result(out_dir: Path, policy: Policy) -> Path:
+    """Write the final model (``<out>/model``, full fine-tune) or adapter (``<out>/adapter``) atomically: into
+    ``<name>.tmp`` (a leftover of an interrupted write is removed first), fsynced, then renamed into place by
+    :func:`_atomic_replace_dir`. A crash leaves the previous result or none (``<name>.old`` after a crash between the
+    renames), never a half-written one under the final name. Returns the final directory."""
+    name = ADAPTER_DIRNAME if policy.has_adapter else MODEL_DIRNAME
+    final, tmp = out_dir / name, out_dir / (name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if policy.has_adapter:
+        policy.save_adapter(tmp)
+    else:
+        policy.save_pretrained(tmp)
+    _fsync_tree(tmp)
+    _atomic_replace_dir(tmp, final)
+    return final
+
+
+def _write_report(path: Path, report: dict[str, Any]) -> None:
+    """Write ``sft_report.json`` atomically (``<name>.tmp``, fsync, ``os.replace``, fsync of the directory): it is the
+    completion marker (:func:`finished_result`), so it is never seen half-written."""
+    from daedalus_trainer.checkpoint import _fsync_path
+
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(report, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent, directory=True)
+
+
+def _withdraw_report(out_dir: Path) -> None:
+    """Remove ``sft_report.json`` (durably) before a run writes anything that replaces its result: from then until
+    the new report is written, no report vouches for a result directory that is being replaced."""
+    from daedalus_trainer.checkpoint import _fsync_path
+
+    path = out_dir / REPORT_NAME
+    if path.exists():
+        path.unlink()
+        _fsync_path(out_dir, directory=True)
+
+
+def finished_result(out_dir: str | Path, step: int) -> Path | None:
+    """The model or adapter directory a finished SFT run left in ``out_dir``, else ``None``.
+
+    The completion marker is ``sft_report.json``: written last and atomically (:func:`_write_report`), after the
+    result was renamed into place (:func:`_save_result`), and removed before a run starts to train
+    (:func:`_withdraw_report`). A run counts as finished when the report parses as a JSON object marked
+    ``completed``, records ``step`` (the step of the run's checkpoint, so a report left from an earlier, shorter
+    run does not vouch for a later one), and names a result directory (relative to the report) that holds a model
+    (``config.json``) or an adapter (``adapter_config.json``). What a crash leaves (``model.tmp``/``model.old`` and
+    no report, or no ``model``) is not finished; the caller then continues from the checkpoint.
+    """
+    out_dir = Path(out_dir)
+    try:
+        done = json.loads((out_dir / REPORT_NAME).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not (isinstance(done, dict) and done.get("completed") is True and done.get("steps") == step
+            and isinstance(done.get("result"), str)):
+        return None
+    result = out_dir / Path(done["result"]).name  # `model` or `adapter` here, wherever the run started from
+    finished = (result / "config.json").is_file() or (result / "adapter_config.json").is_file()
+    return result if finished else None
 
 
 def save_checkpoint(out_dir: Path, policy: Policy, optimizer: torch.optim.Optimizer, state: SFTState) -> Path:
@@ -502,9 +575,12 @@ def run_sft(
     Writes ``<out>/model`` (tiny: full checkpoint, loadable by :func:`daedalus_trainer.policy.load_pretrained`) or
     ``<out>/adapter`` (PEFT), ``<out>/sft_report.json`` (settings, steps, seconds, loss and step-accuracy history,
     layout report, final greedy evaluation) and, while running, ``<out>/checkpoint`` every ``checkpoint_seconds`` and
-    on interruption. With ``resume``, a run whose budget is spent returns its result at once; an interrupted one (or
-    one whose ``steps`` / ``maxSeconds`` were raised since) continues from its checkpoint, with the same data and
-    optimizer state as an uninterrupted run.
+    on interruption. The result is written into a temporary sibling, fsynced and renamed into place, and the report,
+    the completion marker, is written last the same way and removed before training starts (:func:`finished_result`),
+    so a crash at any point never leaves a half-written result that counts as finished. With ``resume``, a finished
+    run whose budget is spent returns its result at once; an interrupted one (or one whose ``steps`` /
+    ``maxSeconds`` were raised since) continues from its checkpoint, with the same data and optimizer state as an
+    uninterrupted run.
 
     Keyword args: ``progress`` (tqdm bar on stderr with loss, step accuracy, tokens/s, training seconds and, with
     ``sft.onPolicyFraction > 0``, ``train_greedy``: the policy's greedy success on the last pool's training mazes),
@@ -537,11 +613,9 @@ def run_sft(
     ckpt = _find_checkpoint(out_dir) if resume else None
     if ckpt is not None:
         check_same_run(ckpt, job)
-    if ckpt is not None and report_path.is_file():  # finished before: done unless the budget was raised since
-        done = json.loads(report_path.read_text())
-        result = out_dir / Path(done["result"]).name  # `model` or `adapter` here, wherever the run started from
-        finished = (result / "config.json").is_file() or (result / "adapter_config.json").is_file()
-        if done.get("completed") and finished and exhausted(SFTState(**json.loads((ckpt / "state.json").read_text()))):
+        saved = SFTState(**json.loads((ckpt / "state.json").read_text()))
+        result = finished_result(out_dir, saved.step)
+        if result is not None and exhausted(saved):  # finished before: done unless the budget was raised since
             return result
 
     layout_report = check_layouts(spec.environment)
@@ -586,6 +660,8 @@ def run_sft(
     # whichever budget ends the run and its estimate of the time left follows the binding one.
     bar = tqdm(total=100, initial=min(100, round(100 * spent())), unit="%", desc="sft", disable=not progress,
                dynamic_ncols=True, file=sys.stderr, bar_format="{l_bar}{bar}| [{elapsed}<{remaining}{postfix}]")
+    # From here on the run writes (checkpoints, then the result): the old report goes first (see finished_result).
+    _withdraw_report(out_dir)
     last_ckpt = state.seconds
     marks = sorted(float(m) for m in snapshot_seconds if m > state.seconds)
     window_loss, window_tokens, window_time = [], 0, 0.0
@@ -670,10 +746,7 @@ def run_sft(
                     state.step, max_steps, state.step / max(state.seconds, 1e-9), max_steps)
 
     policy.model.eval()
-    if policy.has_adapter:
-        result = policy.save_adapter(out_dir / ADAPTER_DIRNAME)
-    else:
-        result = policy.save_pretrained(out_dir / MODEL_DIRNAME)
+    result = _save_result(out_dir, policy)
     report = {
         "result": Path(result).name,  # relative to this report: the run may continue from another directory
         "completed": True,
@@ -695,7 +768,7 @@ def run_sft(
         t1 = time.perf_counter()
         report["final_eval"] = _greedy_eval(policy, spec)
         report["final_eval_seconds"] = round(time.perf_counter() - t1, 2)
-    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    _write_report(report_path, report)  # last: the completion marker
     return result
 
 
