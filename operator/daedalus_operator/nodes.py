@@ -102,7 +102,7 @@ class NodeHealth:
             the later of its ``Ready`` condition's ``lastTransitionTime`` and its containers' latest start
             (``state.running.startedAt``), so the time a pod spent pulling its image or restarting a container does
             not count. A pod without a usable time is not listed. The planner deletes those not Ready for longer
-            than its grace while recovering (:meth:`stale_not_ready`).
+            than its grace while provisioning or recovering (:meth:`stale_not_ready`).
     """
 
     announced: tuple[NodeIssue, ...] = ()

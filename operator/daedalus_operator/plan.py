@@ -35,9 +35,9 @@ Failure handling, in DESIGN order:
    A pod that is only not Ready (Running or Pending on a Ready node: a readiness probe failing under load) is lost
    only once its ``Ready`` condition has been False for longer than ``pod_ready_grace``; then the trainer, when it
    answers, is asked for a checkpoint before the stop. A pod on a gone or NotReady node is lost at once.
-   While Recovering, a pod Running but not Ready on a good node for longer than ``pod_ready_grace`` (counted from
+   While Provisioning or Recovering, a pod Running but not Ready on a good node for longer than ``pod_ready_grace`` (counted from
    its Ready condition's last flip or its containers' latest start, whichever is later) is deleted like a pod on a
-   bad node, so that KubeRay recreates it: otherwise the cluster never becomes usable and recovery waits for ever.
+   bad node, so that KubeRay recreates it: otherwise the cluster never becomes usable and the job waits for ever.
 4. Every resubmission counts in ``status.restarts``; those after a planned cause (a HyperPod replacement or reboot,
    :data:`api.PLANNED_REASONS`) also in ``status.plannedRestarts``. Only unplanned ones count against
    ``maxRestarts``: once ``restarts - plannedRestarts >= maxRestarts``, the next unplanned failure makes the job Failed
@@ -230,7 +230,7 @@ class Timing:
     """Operator timing knobs (seconds): ``poll`` between looks while a job is active; ``unreachable_grace`` before an
     unanswering dashboard counts as a lost head; ``pod_ready_grace`` before a Running job's pod that is not Ready on
     a Ready node (its ``Ready`` condition False for longer than this) counts as lost (0: at once), and before a
-    Recovering job's pod Running but not Ready on a good node is deleted to be recreated (0: never, a recreated pod
+    Provisioning or Recovering job's pod Running but not Ready on a good node is deleted to be recreated (0: never, a recreated pod
     is not Ready at once)."""
 
     poll: float = 2.0
@@ -616,6 +616,32 @@ def _cluster_usable(b: _Builder) -> bool:
             and not h.bad_pods and not h.announced)
 
 
+def _recreate_unusable_pods(b: _Builder, doing: str) -> bool:
+    """Delete (so that KubeRay recreates them) the job's pods on bad nodes and those Running but not Ready on a good
+    node for longer than ``pod_ready_grace`` (their readiness probe failing since they started: a raylet that cannot
+    join, a wedged container), which would otherwise keep :func:`_cluster_usable` false for ever; while such a pod is
+    within its grace, look again when the first grace ends. Used before the first submission (Provisioning) and before
+    a resubmission (Recovering); ``doing`` names the phase in the event. ``pod_ready_grace`` 0 turns the not-Ready
+    check off (a recreated pod is never Ready at once).
+
+    Returns:
+        True when pods were deleted (the caller requeues and looks again).
+    """
+    c = b.o.cluster
+    stale, grace_left = b.o.health.stale_not_ready(b.now, b.timing.pod_ready_grace)
+    doomed = tuple(sorted(set(b.o.health.bad_pods) | set(stale)))
+    if doomed and c.exists and not c.deleting:
+        b.act(DeletePods(doomed))
+        if stale:
+            b.event("RecreatingPods", f"deleting pod(s) {', '.join(stale)}: Running but not Ready for longer than "
+                    f"{b.timing.pod_ready_grace:.0f} s on a Ready node while {doing}; KubeRay recreates them",
+                    EventType.WARNING)
+        return True
+    if grace_left is not None:
+        b.requeue(min(b.timing.poll, grace_left))
+    return False
+
+
 def _provisioning(b: _Builder) -> Plan:
     assert b.spec is not None
     c = b.o.cluster
@@ -630,8 +656,7 @@ def _provisioning(b: _Builder) -> Plan:
         return b.requeue()
     if c.deleting:
         return b.requeue()  # an old cluster (suspend/resume) still going away
-    if b.o.health.bad_pods:
-        b.act(DeletePods(b.o.health.bad_pods))
+    if _recreate_unusable_pods(b, "provisioning"):
         return b.requeue()
     if not _cluster_usable(b):
         return b.requeue()
@@ -824,20 +849,8 @@ def _recovering(b: _Builder) -> Plan:
         return b.done()
     if b.restart_limit_reached(rec.reason):
         return b.fail(Reason.RESTART_LIMIT, b.limit_message(rec.reason, rec.message))
-    # A pod Running but not Ready on a good node for longer than pod_ready_grace (its readiness probe failing since
-    # it started: a raylet that cannot join, a wedged container) would keep _cluster_usable false for ever; deleted
-    # like a pod on a bad node, KubeRay creates a fresh one. Until then look again when the first grace ends.
-    stale, grace_left = o.health.stale_not_ready(b.now, b.timing.pod_ready_grace)
-    doomed = tuple(sorted(set(o.health.bad_pods) | set(stale)))
-    if doomed and c.exists and not c.deleting:
-        b.act(DeletePods(doomed))
-        if stale:
-            b.event("RecreatingPods", f"deleting pod(s) {', '.join(stale)}: Running but not Ready for longer than "
-                    f"{b.timing.pod_ready_grace:.0f} s on a Ready node while recovering; KubeRay recreates them",
-                    EventType.WARNING)
+    if _recreate_unusable_pods(b, "recovering"):
         return b.requeue()
-    if grace_left is not None:
-        b.requeue(min(b.timing.poll, grace_left))
     wait = b.seconds_since(rec.not_before)
     if wait is not None and wait < 0:
         return b.requeue(-wait)

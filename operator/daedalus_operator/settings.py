@@ -40,7 +40,7 @@ class OperatorSettings:
         pod_ready_grace: seconds a Running job's pod may stay not Ready on a Ready node (its ``Ready`` condition's
             ``lastTransitionTime`` that long ago: a readiness probe failing under load) before it counts as lost
             (0: at once). A pod on a gone or NotReady node, a failed or replaced pod is lost at once whatever this is.
-            While a job is Recovering, a pod Running but not Ready on a Ready node for longer than this (from the
+            While a job is Provisioning or Recovering, a pod Running but not Ready on a Ready node for longer than this (from the
             later of its Ready condition's flip and its containers' start) is deleted so that KubeRay recreates it
             (0: never).
         request_timeout: seconds for one HTTP call to the Ray dashboard or the trainer.

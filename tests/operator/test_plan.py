@@ -176,6 +176,18 @@ ROWS = [
     Row("provisioning-pod-on-bad-node", job({"phase": "Provisioning"}),
         obs(READY, p.RayJobState.NOT_FOUND, health=NodeHealth(pods=2, ready_pods=2, bad_pods=("w-1",))),
         Phase.PROVISIONING, [p.DeletePods(("w-1",))], {}, [], 2.0),
+    # the same for the first cluster: a pod Running but never Ready on a good node (a raylet that cannot join) past
+    # --pod-ready-grace is recreated instead of the job staying Provisioning for ever; within it, looked at again
+    # when the grace ends
+    Row("provisioning-pod-not-ready-past-grace-is-recreated", job({"phase": "Provisioning"}),
+        obs(READY, p.RayJobState.NOT_FOUND, health=NodeHealth(pods=2, ready_pods=1, not_ready=(
+            ("local-tiny-ray-cpu-worker-abcde", NOW - dt.timedelta(seconds=61)),))), Phase.PROVISIONING,
+        [p.DeletePods(("local-tiny-ray-cpu-worker-abcde",))], {}, ["RecreatingPods"], 2.0,
+        check=lambda plan: "while provisioning" in plan.events[0].message),
+    Row("provisioning-pod-not-ready-within-grace-waits", job({"phase": "Provisioning"}),
+        obs(READY, p.RayJobState.NOT_FOUND, health=NodeHealth(pods=2, ready_pods=1, not_ready=(
+            ("local-tiny-ray-cpu-worker-abcde", NOW - dt.timedelta(seconds=59.5)),))), Phase.PROVISIONING, [], {}, [],
+        0.5),
     Row("provisioning-suspend", job({"phase": "Provisioning"}, suspend=True), obs(NOT_READY, p.RayJobState.UNREACHABLE),
         Phase.SUSPENDED, [p.DeleteCluster()], {}, ["Suspended"], None),
     Row("provisioning-after-suspend-submits-next-attempt",
