@@ -221,6 +221,36 @@ def test_load_policy_builds_tiny_and_refuses_missing_real_model(tmp_path):
         load_policy(real)
 
 
+def test_a_tiny_base_whose_build_was_killed_is_built_again(tmp_path):
+    """A build killed part-way leaves ``config.json`` (``save_pretrained`` writes it first) without the
+    ``daedalus_tiny.json`` marker: such a ``tiny-base`` is built again, to the bytes of an uninterrupted build, instead
+    of being loaded (the old rule, ``config.json`` present, took it as finished and loading then failed)."""
+    from daedalus_trainer.tiny import TINY_META, build_tiny_checkpoint, is_built_tiny_checkpoint
+
+    job = make_tiny_job()
+    reference = build_tiny_checkpoint(tmp_path / "reference")
+    assert is_built_tiny_checkpoint(reference)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]  # the staging directory is gone
+    want = {f.name: f.read_bytes() for f in reference.iterdir()}
+    # the state a kill during the old in-place build left: the config and half of the weights, no marker
+    work = tmp_path / "run"
+    half = work / "tiny-base"
+    half.mkdir(parents=True)
+    (half / "config.json").write_bytes(want["config.json"])
+    (half / "model.safetensors").write_bytes(want["model.safetensors"][: len(want["model.safetensors"]) // 2])
+    (half / "notes.txt").write_text("kept")
+    assert not is_built_tiny_checkpoint(half)
+    assert resolve_base_dir(job.spec.model, work) == half
+    assert is_built_tiny_checkpoint(half)
+    got = {f.name: f.read_bytes() for f in half.iterdir() if f.name != "notes.txt"}
+    assert got == want and (half / "notes.txt").read_text() == "kept"
+    assert sorted(p.name for p in work.iterdir()) == ["tiny-base"]
+    load_pretrained(half, "float32", "cpu")  # loads
+    # a finished build is reused, not rebuilt: its files keep their inode
+    inode = (half / TINY_META).stat().st_ino
+    assert resolve_base_dir(job.spec.model, work) == half and (half / TINY_META).stat().st_ino == inode
+
+
 # ------------------------------------------------------------------------------------------------- log-probs
 def test_shared_prefix_forward_equals_plain_forward(tiny_policy):
     tiny_policy.add_lora(LORA)

@@ -697,6 +697,8 @@ def resolve_base_dir(model_spec: Any, work_dir: str | Path | None = None, tiny_s
 
     Order: ``model.path`` if it holds a checkpoint; else, when ``model.tiny``, the tiny model is built into
     ``model.path`` (if given) or ``<work_dir>/tiny-base`` (kept, so every stage of a run loads the same weights).
+    A ``tiny-base`` whose build was killed part-way (no ``daedalus_tiny.json``, written last) is built again: the
+    build is deterministic, so the weights are the ones the finished build would have had.
 
     Raises:
         FileNotFoundError: not tiny and ``model.path`` is unset or holds no ``config.json`` (no downloads).
@@ -706,7 +708,7 @@ def resolve_base_dir(model_spec: Any, work_dir: str | Path | None = None, tiny_s
         return Path(path)
     if getattr(model_spec, "tiny", False):
         target = Path(path) if path else (Path(work_dir) if work_dir else Path.cwd()) / TINY_BASE_DIRNAME
-        if not is_checkpoint_dir(target):
+        if not (is_checkpoint_dir(target) if path else tiny_mod.is_built_tiny_checkpoint(target)):
             tiny_mod.build_tiny_checkpoint(target, tiny_spec)
         return target
     raise FileNotFoundError(

@@ -24,6 +24,9 @@ Measured traps this module encodes (docs/engineering-notes.md, "Tiny Qwen3-VL"):
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -300,13 +303,22 @@ def build_config(spec: TinySpec, tokenizer: PreTrainedTokenizerFast) -> Qwen3VLC
     return config
 
 
+#: The file :func:`build_tiny_checkpoint` writes last: a directory holding it is a finished tiny checkpoint.
+TINY_META = "daedalus_tiny.json"
+
+
 def build_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
     """Build the tiny model with random weights and save it like a real checkpoint; return ``out_dir``.
 
     Deterministic for a given ``spec`` (torch seed ``spec.seed``; BPE training is deterministic). Writes the model
     (``config.json``, ``generation_config.json``, ``model.safetensors``), the processor (tokenizer files,
     ``chat_template.jinja``, ``processor_config.json`` naming :class:`TinyQwen3VLProcessor`) and
-    ``daedalus_tiny.json`` (the :class:`TinySpec` used). Takes ~1 s on one core.
+    ``daedalus_tiny.json`` (the :class:`TinySpec` used, :data:`TINY_META`). Takes ~1 s on one core.
+
+    Crash-safe: everything is written into a temporary sibling ``.tmp-<name>-<id>`` first, then each file is renamed
+    into ``out_dir`` with :data:`TINY_META` last, so a build killed part-way leaves ``out_dir`` without the marker
+    (``config.json`` is written first by ``save_pretrained`` and proves nothing): :func:`is_built_tiny_checkpoint`
+    tells the two apart, and building again over such a directory replaces its files (other files in it are kept).
 
     Raises:
         ValueError: ``spec`` fails :meth:`TinySpec.check`.
@@ -315,6 +327,31 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> 
     spec = spec or TinySpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.mkdir()
+        _build_into(tmp, spec)
+        marker = tmp / TINY_META
+        (out / TINY_META).unlink(missing_ok=True)  # a rebuild: unfinished until the new marker is in place
+        for f in sorted(tmp.iterdir(), key=lambda f: f == marker):  # the marker last
+            os.replace(f, out / f.name)
+        fd = os.open(out, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def is_built_tiny_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` holds a tiny checkpoint whose build finished (:data:`TINY_META` present, written last)."""
+    return (Path(path) / TINY_META).is_file() and (Path(path) / "config.json").is_file()
+
+
+def _build_into(out: Path, spec: TinySpec) -> None:
+    """Write the tiny checkpoint's files into the existing directory ``out`` (:func:`build_tiny_checkpoint`)."""
     tokenizer = train_tokenizer(spec)
     processor = TinyQwen3VLProcessor(
         image_processor=build_image_processor(spec), tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
@@ -330,8 +367,10 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> 
     processor.save_pretrained(out)
     meta = asdict(spec)
     meta.pop("extra_corpus")
-    (out / "daedalus_tiny.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return out
+    with open(out / TINY_META, "w") as f:
+        f.write(json.dumps(meta, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def count_parameters(model: torch.nn.Module) -> int:
