@@ -36,6 +36,8 @@ from daedalus_trainer.checkpoint import (
     CheckpointSaveError,
     PackedTensor,
     TrainerState,
+    atomic_write_json,
+    atomic_write_text,
     capture_rng_state,
     export_adapter,
     list_checkpoints,
@@ -537,6 +539,49 @@ def test_enospc_on_a_real_full_tmpfs_keeps_previous_checkpoint(tmp_path: Path) -
         assert exc.value.errno == errno.ENOSPC
         assert_previous_intact(root, 1)
         assert shutil.disk_usage(mnt).free == free_before  # the partial checkpoint's space was given back
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False, timeout=10)
+
+
+def test_atomic_write_json_keeps_the_old_file_when_serialising_fails_half_way(tmp_path: Path) -> None:
+    """A value that is not JSON fails after ``json.dump`` has started writing the temporary file: the old file is
+    untouched and no temporary file is left (an in-place write would have truncated it when opening)."""
+    path = tmp_path / "eval-before.json"
+    atomic_write_json(path, {"start_fingerprint": "abc", "results": [1, 2]})
+    before = path.read_bytes()
+    assert json.loads(before) == {"start_fingerprint": "abc", "results": [1, 2]} and before.endswith(b"}\n")
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        atomic_write_json(path, {"results": list(range(5000)), "zz": object()})  # keys in order: the list goes first
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval-before.json"]
+    atomic_write_json(path, {"new": True})
+    assert json.loads(path.read_text()) == {"new": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval-before.json"]
+
+
+def test_atomic_write_text_on_a_real_full_tmpfs_keeps_the_old_file(tmp_path: Path) -> None:
+    """ENOSPC from the real file system half-way through the write: the old content stays, the partial temporary
+    file is removed and its space given back, and a leftover ``<name>.tmp`` of a killed writer does not get in the
+    way of the next write."""
+    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    why = _try_mount_tmpfs(mnt, "64k")
+    if why:
+        pytest.skip(why)
+    try:
+        path = mnt / "report.json"
+        atomic_write_text(path, '{"steps": 6}\n')
+        free_before = shutil.disk_usage(mnt).free
+        with pytest.raises(OSError) as exc:
+            atomic_write_text(path, "x" * (1 << 20))
+        assert exc.value.errno == errno.ENOSPC
+        assert path.read_text() == '{"steps": 6}\n'
+        assert sorted(p.name for p in mnt.iterdir()) == ["report.json"]
+        assert shutil.disk_usage(mnt).free == free_before
+        (mnt / "report.json.tmp").write_text('{"ste')  # what a kill -9 mid-write leaves
+        atomic_write_text(path, '{"steps": 7}\n')
+        assert path.read_text() == '{"steps": 7}\n'
+        assert sorted(p.name for p in mnt.iterdir()) == ["report.json"]
     finally:
         subprocess.run(["umount", str(mnt)], check=False, timeout=10)
 

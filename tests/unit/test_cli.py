@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -11,8 +13,9 @@ import yaml
 
 from daedalus_trainer import cli
 from daedalus_trainer import config as c
-from daedalus_trainer.local import run_local, start_fingerprint
+from daedalus_trainer.local import _cached_evaluation, _kept_timings, run_local, start_fingerprint
 from support.jobs import ROOT, tiny_job_dict
+from support.tiny_model import make_tiny_job, tiny_checkpoint  # noqa: F401
 
 EXAMPLE = str(ROOT / "examples" / "local-tiny.yaml")
 
@@ -353,6 +356,55 @@ def test_start_fingerprint_follows_weights_and_evaluation_settings(tmp_path, mon
     assert start_fingerprint(job, str(model), str(adapter)) == with_adapter
     (adapter / "adapter_model.safetensors").write_bytes(b"b" * 64)
     assert start_fingerprint(job, str(model), str(adapter)) != with_adapter
+
+
+def test_a_truncated_cached_evaluation_is_evaluated_again_with_a_warning(tiny_checkpoint, tmp_path, caplog):
+    """``eval-before.json`` cut short (an older version wrote it in place and was killed, or the disk filled) is only
+    a cache: `daedalus run` logs a warning naming it and evaluates again instead of dying on json.loads; the files it
+    writes then are complete, carry the start's fingerprint and serve as the cache (no third evaluation)."""
+    from rich.console import Console
+
+    job = make_tiny_job(None, environment={"evalMazes": 2, "evalCorners": 1, "maxTurns": 2})
+    model = str(tiny_checkpoint)
+    fingerprint = start_fingerprint(job, model, None)
+    (tmp_path / "eval-before-training.json").write_text(json.dumps({"start_fingerprint": fingerprint}))
+    whole = json.dumps({"start_fingerprint": fingerprint, "split": "held-out", "results": []}, indent=2)
+    (tmp_path / "eval-before.json").write_text(whole[: len(whole) // 2])
+
+    def cached(out: io.StringIO) -> tuple[dict, dict]:
+        return _cached_evaluation(Console(file=out, width=200), job, model, None, tmp_path, "before",
+                                  title="EVALUATING", stale="STALE")
+
+    first = io.StringIO()
+    with caplog.at_level(logging.WARNING, logger="daedalus.local"):
+        held_out, training = cached(first)
+    assert "EVALUATING" in first.getvalue() and "STALE" not in first.getvalue()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(tmp_path / "eval-before.json") in warnings[0]
+    assert "does not parse as JSON" in warnings[0] and "evaluating again" in warnings[0]
+    assert (held_out["split"], training["split"]) == ("held-out", "training")
+    assert held_out["results"][0]["episodes"] == 2 and training["results"][0]["episodes"] == 2
+    for name, ev in (("eval-before.json", held_out), ("eval-before-training.json", training)):
+        assert json.loads((tmp_path / name).read_text()) == ev and ev["start_fingerprint"] == fingerprint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval-before-training.json", "eval-before.json"]
+    second = io.StringIO()
+    assert cached(second) == (held_out, training) and "EVALUATING" not in second.getvalue()
+
+
+def test_a_rerun_keeps_the_timings_of_a_readable_report_only(tmp_path, caplog):
+    """A rerun of a finished run reports the timings of the call that trained, read back from ``report.json``; a
+    report cut short by an interrupted in-place write is a warning naming it (this call's timings are reported),
+    not a crash."""
+    report = tmp_path / "report.json"
+    assert _kept_timings(report, 6) is None  # no report yet
+    whole = json.dumps({"steps": 6, "wall_seconds": 300.5, "grpo_wall_seconds": 120.0}, indent=2)
+    report.write_text(whole)
+    assert _kept_timings(report, 6) == (300.5, 120.0)
+    assert _kept_timings(report, 8) is None  # the report of a shorter run
+    report.write_text(whole[:20])
+    with caplog.at_level(logging.WARNING, logger="daedalus.local"):
+        assert _kept_timings(report, 6) is None
+    assert [str(report) in r.getMessage() and "does not parse" in r.getMessage() for r in caplog.records] == [True]
 
 
 def test_a_file_with_two_jobs_is_refused_by_the_commands_that_take_one(tmp_path, capsys):

@@ -83,6 +83,8 @@ __all__ = [
     "ManifestProblem",
     "Opener",
     "TrainerState",
+    "atomic_write_json",
+    "atomic_write_text",
     "capture_rng_state",
     "checkpoint_dir_name",
     "export_adapter",
@@ -495,6 +497,53 @@ def _fsync_path(path: Path, *, directory: bool = False) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _atomic_write(path: Path, write: Callable[[IO[str]], None]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        _fsync_path(path.parent, directory=True)
+    except OSError as e:  # the file is replaced: raising now would report a write that happened as failed
+        log.warning("could not fsync %s after replacing %s (%s): the new content may not survive a power loss",
+                    path.parent, path.name, e)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Replace the file at ``path`` with ``text`` (UTF-8) so that a reader, or the next run after a ``kill -9``, a
+    full disk or a power loss, sees the old content or the new, never part of it: written into the sibling
+    ``<name>.tmp`` (same directory, so the rename is atomic; a leftover of an interrupted write is overwritten),
+    fsynced, renamed over ``path`` with ``os.replace`` (``rename(2)``), then the directory is fsynced (a failure of
+    that last fsync is logged, not raised: the file is already replaced). One writer per path assumed.
+
+    Raises:
+        OSError: the temporary file could not be written, flushed or renamed (``path`` is then untouched and the
+            temporary file removed).
+    """
+    _atomic_write(Path(path), lambda f: f.write(text))
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 2) -> None:
+    """:func:`atomic_write_text` of ``obj`` as JSON (``json.dump`` with ``indent``, then a newline), serialised
+    straight into the temporary file.
+
+    Raises:
+        TypeError, ValueError: ``obj`` is not JSON serialisable (``path`` is untouched, the temporary file removed).
+        OSError: as :func:`atomic_write_text`.
+    """
+    def write(f: IO[str]) -> None:
+        json.dump(obj, f, indent=indent)
+        f.write("\n")
+
+    _atomic_write(Path(path), write)
 
 
 def weight_files(directory: str | os.PathLike[str], *, by_content: bool) -> list[list[Any]]:

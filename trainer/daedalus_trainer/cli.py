@@ -137,7 +137,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     Console().print(report.table())
     if args.json:
-        Path(args.json).write_text(report.to_json())
+        from daedalus_trainer.checkpoint import atomic_write_text
+
+        atomic_write_text(args.json, report.to_json())  # a result: never left half-written by a kill
     return 0
 
 

@@ -7,7 +7,8 @@ Stages, each resumable (run the command again after an interrupt and it continue
 2. Evaluation of the starting point on the held-out mazes (greedy and sampled), cached in ``eval-before.json``, and
    greedy on as many mazes on training layouts (``eval-before-training.json``). The cache is used only while it
    describes the same start (:func:`start_fingerprint`): a retrained or continued SFT model, another evaluation
-   set or sampling setting, or ``--resume none`` evaluates again.
+   set or sampling setting, or ``--resume none`` evaluates again, and so does a cache file that does not parse (a
+   warning names it). Every file a later run reads back (the caches, ``report.json``) is written atomically.
 3. GRPO with a LoRA adapter on a local Ray (`spec.cluster` is ignored), checkpoints in ``runs/<name>/checkpoints/``,
    metrics and control on http://127.0.0.1:<port>/metrics.
 4. Evaluation of the trained adapter (the same two sets; cached in ``eval-after.json`` and
@@ -82,26 +83,70 @@ def start_fingerprint(job, model_path: str, adapter_path: str | None) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
+def _read_json_object(path: Path, what: str) -> dict | None:
+    """The JSON object in ``path``, else ``None`` with a warning naming the file: it does not parse (truncated by a
+    kill or a full disk while an older version wrote it in place, or not UTF-8) or is not a JSON object. ``what``
+    says in the warning what is done instead. A file that cannot be read at all (``OSError``) is raised."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        log.warning("%s does not parse as JSON (%s), probably cut short by an interrupted write: %s", path, e, what)
+        return None
+    if not isinstance(doc, dict):
+        log.warning("%s holds a JSON %s, not an object: %s", path, type(doc).__name__, what)
+        return None
+    return doc
+
+
 def _cached_evaluation(console, job, model_path: str, adapter_path: str | None, run_dir: Path, when: str, *,
                        title: str, stale: str | None = None, use_cache: bool = True) -> tuple[dict, dict]:
     """``(held-out, training-layout)`` evaluation reports of ``model_path`` (+ ``adapter_path``), from
     ``run_dir/eval-<when>.json`` and ``eval-<when>-training.json`` while both carry this start's
     :func:`start_fingerprint`, else evaluated now (under the rule ``title``; ``stale`` printed first when the files
-    exist but describe another start) and written there with it."""
+    exist but describe another start) and written there with it, atomically
+    (:func:`~daedalus_trainer.checkpoint.atomic_write_json`). A cached file that does not parse as a JSON object is
+    logged as a warning with its path and the evaluation runs again: the files are only a cache.
+
+    Raises:
+        OSError: a cached file exists but cannot be read, or the new ones cannot be written.
+    """
+    from daedalus_trainer.checkpoint import atomic_write_json
+
     files = run_dir / f"eval-{when}.json", run_dir / f"eval-{when}-training.json"
     fingerprint = start_fingerprint(job, model_path, adapter_path)
     if use_cache and all(f.is_file() for f in files):
-        cached = [json.loads(f.read_text()) for f in files]
-        if all(ev.get("start_fingerprint") == fingerprint for ev in cached):
+        cached = [_read_json_object(f, "evaluating again") for f in files]
+        if all(ev is not None and ev.get("start_fingerprint") == fingerprint for ev in cached):
             return cached[0], cached[1]
-        if stale:
+        if stale and all(ev is not None for ev in cached):
             console.print(stale)
     console.rule(title)
     evaluated = _evaluate(job, model_path, adapter_path)
     for ev, path in zip(evaluated, files):
         ev["start_fingerprint"] = fingerprint
-        path.write_text(json.dumps(ev, indent=2))
+        atomic_write_json(path, ev)
     return evaluated
+
+
+def _kept_timings(report_file: Path, steps: int) -> tuple[float, float] | None:
+    """``(wall_seconds, grpo_wall_seconds)`` of the earlier ``report.json`` at ``report_file`` when it records the
+    same ``steps`` (a rerun of a finished run keeps the timings of the call that trained), else ``None``: no such
+    file, another step count, or a file that does not parse or lacks them (logged as a warning with its path; the
+    new timings are reported then).
+
+    Raises:
+        OSError: the file exists but cannot be read.
+    """
+    if not report_file.is_file():
+        return None
+    old = _read_json_object(report_file, "reporting this call's timings")
+    if old is None or old.get("steps") != steps:
+        return None
+    timings = old.get("wall_seconds"), old.get("grpo_wall_seconds")
+    if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in timings):
+        log.warning("%s lacks wall_seconds/grpo_wall_seconds: reporting this call's timings", report_file)
+        return None
+    return float(timings[0]), float(timings[1])
 
 
 def _evaluate(job, model_path: str, adapter_path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -241,13 +286,14 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                      training=(before_training, after_training))
     report_file = run_dir / "report.json"
     trained_nothing = result.resumed_from is not None and result.resumed_from >= result.steps_done
-    if trained_nothing and report_file.is_file():
-        # A rerun of a finished run: the timings that mean something are those of the call that trained.
-        old = json.loads(report_file.read_text())
-        if old.get("steps") == result.steps_done:
-            report["wall_seconds"], report["grpo_wall_seconds"] = old["wall_seconds"], old["grpo_wall_seconds"]
-            console.print("nothing left to train: the timings below are those of the run that trained")
-    report_file.write_text(json.dumps(report, indent=2))
+    # A rerun of a finished run: the timings that mean something are those of the call that trained.
+    kept = _kept_timings(report_file, result.steps_done) if trained_nothing else None
+    if kept is not None:
+        report["wall_seconds"], report["grpo_wall_seconds"] = kept
+        console.print("nothing left to train: the timings below are those of the run that trained")
+    from daedalus_trainer.checkpoint import atomic_write_json
+
+    atomic_write_json(report_file, report)  # users read it as the result, and a rerun reads its timings back
     curves = _plot_curves(result.history, run_dir / "curves.png", before, after, (before_training, after_training),
                           job.spec.algorithm.mazes_per_step)
 

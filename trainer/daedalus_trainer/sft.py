@@ -401,17 +401,11 @@ def _save_result(out_dir: Path, policy: Policy) -> Path:
 
 
 def _write_report(path: Path, report: dict[str, Any]) -> None:
-    """Write ``sft_report.json`` atomically (``<name>.tmp``, fsync, ``os.replace``, fsync of the directory): it is the
+    """Write ``sft_report.json`` atomically (:func:`daedalus_trainer.checkpoint.atomic_write_json`): it is the
     completion marker (:func:`finished_result`), so it is never seen half-written."""
-    from daedalus_trainer.checkpoint import _fsync_path
+    from daedalus_trainer.checkpoint import atomic_write_json
 
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(report, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent, directory=True)
+    atomic_write_json(path, report)
 
 
 def _withdraw_report(out_dir: Path) -> None:
