@@ -769,7 +769,8 @@ def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, 
     ``apply``, Argo CD's replace) resumes from the checkpoint written here instead of the last periodic one.
 
     Only a job whose status phase is in :data:`CHECKPOINT_ON_DELETE_PHASES`, with a submission id, whose RayCluster
-    exists and is not being deleted, and whose Ray job has not ended is asked: ``POST /stop`` (the job's token)
+    exists and is not being deleted, whose Ray job has not ended, and whose submission was confirmed (or the dashboard
+    reports it running) is asked: ``POST /stop`` (the job's token)
     through :class:`~daedalus_operator.submit.CheckpointCalls` under :func:`deletion_checkpoint_key`, in the
     background; each later call of this function (kopf retries the finalizer) reads the call's state. ``/stop``
     rather than ``/checkpoint``: the trainer exits right after the checkpoint, so no step runs between it and the Ray
@@ -834,11 +835,16 @@ def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, 
         return none(f"the trainer answered {call.error}")
     if left <= 0:
         return none(f"no answer from the trainer within {bound:g} s" + (f" ({call.error})" if call.error else ""))
-    if call.error is None and cluster.dashboard_url:  # the first request: is there a trainer to ask at all?
-        ray_job = rt.ray_jobs(cluster.dashboard_url).status(sid)
-        if ray_job.state.ended or ray_job.state == RayJobState.NOT_FOUND:
+    if call.error is None:  # the first request: is there a trainer to ask at all?
+        ray_job = rt.ray_jobs(cluster.dashboard_url).status(sid) if cluster.dashboard_url else None
+        if ray_job is not None and (ray_job.state.ended or ray_job.state == RayJobState.NOT_FOUND):
             return DeletionCheckpoint(f"no checkpoint before deletion: Ray job {sid} is "
                                       f"{ray_job.state.value.lower()}, no trainer runs")
+        # A submission never confirmed (its dashboard did not answer) that the dashboard does not now report running
+        # has no trainer known to run: not waited for, else a dead head would hold the deletion for the whole bound.
+        if not status.get("submissionConfirmed") and not (ray_job is not None and ray_job.state.active):
+            return none("its submission was never confirmed running and the Ray dashboard does not report it "
+                        "running" + (f" ({ray_job.message})" if ray_job is not None and ray_job.message else ""))
     if call.http_status == 401:
         rt.tokens.pop(job.uid, None)  # the Secret was replaced: read the token again
     try:

@@ -365,13 +365,14 @@ class ControlTrainer:
         self.server.server_close()
 
 
-def _deleted_body(phase: str = "Running", checkpoint_timeout: int | None = None) -> dict:
+def _deleted_body(phase: str = "Running", checkpoint_timeout: int | None = None, confirmed: bool = True) -> dict:
     doc = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
     doc["metadata"].update(namespace="ml", uid="0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", generation=1,
                            deletionTimestamp="2026-01-01T00:00:00Z")
     if checkpoint_timeout is not None:
         doc["spec"]["resilience"]["checkpointTimeoutSeconds"] = checkpoint_timeout
-    doc["status"] = {"phase": phase, "attempt": 1, "submissionId": "local-tiny-0f1e2d3c-a1", "currentStep": 5}
+    doc["status"] = {"phase": phase, "attempt": 1, "submissionId": "local-tiny-0f1e2d3c-a1", "currentStep": 5,
+                     "submissionConfirmed": confirmed}
     return doc
 
 
@@ -485,5 +486,22 @@ def test_deleting_a_job_without_a_running_trainer_asks_for_no_checkpoint(phase: 
         outcome = checkpoint_before_deletion(rt, _deleted_body(), _head(trainer, deleting=True), None, 0.0)
         assert outcome.warning and "being deleted" in outcome.message
         assert trainer.seen == []
+    finally:
+        trainer.close()
+
+
+def test_an_unconfirmed_submission_with_an_unanswering_dashboard_is_not_waited_for() -> None:
+    """A Running job whose submission the dashboard never confirmed (a dead head) and that it does not now report
+    running: no trainer is known to run, so the deletion asks for nothing and goes on at once (with the Warning),
+    instead of retrying a refused connection for the whole bound."""
+    from daedalus_operator.handlers import NO_CHECKPOINT_BEFORE_DELETION, checkpoint_before_deletion
+
+    trainer = ControlTrainer()
+    try:
+        rt = Runtime(settings=OperatorSettings(request_timeout=1.0), metrics=OperatorMetrics())
+        rt.kube = SecretOnly("tok")
+        outcome = checkpoint_before_deletion(rt, _deleted_body(confirmed=False), _head(trainer), None, 0.0)
+        assert outcome.warning and outcome.reason == NO_CHECKPOINT_BEFORE_DELETION
+        assert "never confirmed" in outcome.message and trainer.seen == []
     finally:
         trainer.close()
