@@ -12,9 +12,10 @@ Registered by :func:`register` on an explicit registry (the timer interval is a 
 - ``@kopf.on.create`` / ``on.update`` (spec) / ``on.resume`` and a ``@kopf.timer`` every ``--poll-interval``: one
   reconcile of the job; a per-job lock keeps two of them from overlapping.
 - ``@kopf.on.delete`` (the finalizer): a Running (or Checkpointing) job's trainer is first asked to checkpoint and
-  stop (``POST /stop``, waited for at most ``min(checkpointTimeoutSeconds, --deletion-timeout)`` seconds through
-  short ``kopf.TemporaryError`` retries, :func:`checkpoint_before_deletion`); then stop the Ray job, delete the
-  children, and release after ``--deletion-timeout`` seconds whatever failed.
+  stop (``POST /stop``, waited for at most :func:`deletion_checkpoint_bound` seconds: ``checkpointTimeoutSeconds``,
+  at most three quarters of ``--deletion-timeout``; in-process for up to :data:`DELETION_WAIT_SECONDS` per call,
+  then through ``kopf.TemporaryError`` retries, :func:`checkpoint_before_deletion`); then stop the Ray job, delete
+  the children, and release after ``--deletion-timeout`` seconds whatever failed.
 - ``@kopf.on.probe``: the liveness endpoint fails when the API server has not answered for ``--liveness-stale``
   seconds (:func:`liveness`: ``GET /version``; any HTTP answer, a 403 included, counts as an answer).
 
@@ -777,7 +778,7 @@ def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, 
     job's stop (measured with the stand-in trainer at 0.3 s per step: ``/checkpoint`` lost the 2 steps run until the
     finalizer's next look; ``/stop`` none). A failure that asking again may mend
     (:attr:`~daedalus_operator.plan.CheckpointCall.retryable`: no answer, 401 with the token read again) is asked
-    again. The wait ends at ``min(spec.resilience.checkpointTimeoutSeconds, deletion_timeout)`` seconds of
+    again, unless the Ray job has meanwhile ended. The wait ends at :func:`deletion_checkpoint_bound` seconds of
     ``waited``; the trainer is told that much as its ``?timeout=``.
 
     Args:
@@ -801,13 +802,13 @@ def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, 
         return DeletionCheckpoint(f"no checkpoint before deletion: the job is {phase}, no trainer runs")
     job = job_view(body)
     limit = float(job.spec.resilience.checkpoint_timeout_seconds) if job.spec else 300.0
-    bound = min(limit, rt.settings.deletion_timeout)
+    bound = deletion_checkpoint_bound(limit, rt.settings.deletion_timeout)
     left = bound - waited
     key = deletion_checkpoint_key(sid)
 
     def wait(why: str) -> kopf.TemporaryError:
-        return kopf.TemporaryError(f"{why}; the Ray job is stopped after the checkpoint or in {max(0.0, left):.0f} s",
-                                   delay=min(DELETION_POLL_SECONDS, max(0.2, left)))
+        return kopf.TemporaryError(f"{why}; the Ray job is stopped after the checkpoint, at the latest {bound:g} s "
+                                   "after the deletion", delay=min(DELETION_POLL_SECONDS, max(0.2, left)))
 
     def none(why: str) -> DeletionCheckpoint:
         return DeletionCheckpoint(f"no checkpoint before deletion of attempt {sid}: {why}; steps since the latest "
@@ -835,11 +836,15 @@ def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, 
         return none(f"the trainer answered {call.error}")
     if left <= 0:
         return none(f"no answer from the trainer within {bound:g} s" + (f" ({call.error})" if call.error else ""))
-    if call.error is None:  # the first request: is there a trainer to ask at all?
-        ray_job = rt.ray_jobs(cluster.dashboard_url).status(sid) if cluster.dashboard_url else None
-        if ray_job is not None and (ray_job.state.ended or ray_job.state == RayJobState.NOT_FOUND):
+    # Before every request, the first and each retry: is there a trainer to ask at all? (One that died after the first
+    # request answers each retry with a refused connection, retryable, until the bound.)
+    ray_job = rt.ray_jobs(cluster.dashboard_url).status(sid) if cluster.dashboard_url else None
+    if ray_job is not None and (ray_job.state.ended or ray_job.state == RayJobState.NOT_FOUND):
+        if call.error is None:
             return DeletionCheckpoint(f"no checkpoint before deletion: Ray job {sid} is "
                                       f"{ray_job.state.value.lower()}, no trainer runs")
+        return none(f"Ray job {sid} ended ({ray_job.state.value.lower()}) while the trainer was asked ({call.error})")
+    if call.error is None:
         # A submission never confirmed (its dashboard did not answer) that the dashboard does not now report running
         # has no trainer known to run: not waited for, else a dead head would hold the deletion for the whole bound.
         if not status.get("submissionConfirmed") and not (ray_job is not None and ray_job.state.active):
@@ -855,6 +860,23 @@ def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, 
     rt.calls.start(key, control, left, stop=True)
     raise wait(f"checkpoint requested from the trainer of {sid} before stopping it"
                + (f" (again, after: {call.error})" if call.error else ""))
+
+
+#: Share of ``--deletion-timeout`` kept for stopping the Ray job and deleting the children (and their retries) after
+#: the checkpoint before deletion: that waits at most the rest (:func:`deletion_checkpoint_bound`).
+DELETION_CLEANUP_SHARE = 0.25
+
+#: Seconds one finalizer call waits in-process for the checkpoint before deletion before handing back to kopf with a
+#: ``kopf.TemporaryError``: kopf logs each of those at ERROR and posts it as an Error event, so the usual checkpoint
+#: (seconds) posts none and a frozen trainer one per this many seconds; a kopf worker thread is held meanwhile.
+DELETION_WAIT_SECONDS = 10.0
+
+
+def deletion_checkpoint_bound(checkpoint_timeout: float, deletion_timeout: float) -> float:
+    """Seconds from the deletion that the checkpoint before deletion may take: ``checkpointTimeoutSeconds``, at most
+    ``(1 - DELETION_CLEANUP_SHARE) * deletion_timeout`` (90 s of the default 120 s), so the Ray job stop and the child
+    deletes keep time for their retries before the finalizer is released."""
+    return min(float(checkpoint_timeout), (1.0 - DELETION_CLEANUP_SHARE) * deletion_timeout)
 
 
 def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
@@ -891,7 +913,18 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     with rt.guard:
         decided = uid in rt.deletion_checkpoints
     if not decided:
-        outcome = checkpoint_before_deletion(rt, body, cluster, cluster_error, waited)  # raises while waiting
+        # Waited for here, in steps of the call's delay, for up to DELETION_WAIT_SECONDS: each TemporaryError handed
+        # to kopf becomes an ERROR log line and an Error event on the job.
+        slice_end = time.monotonic() + DELETION_WAIT_SECONDS
+        while True:
+            try:
+                outcome = checkpoint_before_deletion(rt, body, cluster, cluster_error, waited)
+                break
+            except kopf.TemporaryError as e:
+                if cluster_error is not None or time.monotonic() + (e.delay or 0.0) > slice_end:
+                    raise
+                time.sleep(e.delay or 0.0)
+                waited = min((_utcnow() - started).total_seconds(), time.monotonic() - first_seen)
         with rt.guard:
             rt.deletion_checkpoints[uid] = outcome
         (logger.warning if outcome.warning else logger.info)(outcome.message)

@@ -414,7 +414,7 @@ def test_deleting_a_running_job_asks_its_trainer_for_one_checkpoint_and_stop_wit
             checkpoint_before_deletion(rt, body, cluster, None, 0.0)
         outcome, waits = _until_decided(rt, body, cluster, [0.0])
         assert waits >= 1  # the call was in flight for half a second: looked at again, never asked twice
-        assert trainer.seen == [("/stop", "Bearer tok", "120")]  # min(300 s spec, 120 s deletion_timeout)
+        assert trainer.seen == [("/stop", "Bearer tok", "90")]  # min(300 s spec, 3/4 of the 120 s deletion_timeout)
         assert (outcome.step, outcome.path, outcome.reason, outcome.warning) == (
             17, "/c/step-000017", CHECKPOINTED_BEFORE_DELETION, False)
         assert "step 17" in outcome.message
@@ -422,7 +422,7 @@ def test_deleting_a_running_job_asks_its_trainer_for_one_checkpoint_and_stop_wit
         trainer.close()
 
 
-@pytest.mark.parametrize("checkpoint_timeout, deletion_timeout, bound", [(300, 3.0, 3.0), (2, 120.0, 2.0)],
+@pytest.mark.parametrize("checkpoint_timeout, deletion_timeout, bound", [(300, 4.0, 3.0), (2, 120.0, 2.0)],
                          ids=["deletion-timeout", "checkpointTimeoutSeconds"])
 def test_a_trainer_that_never_answers_holds_the_deletion_no_longer_than_the_bound(
         checkpoint_timeout: int, deletion_timeout: float, bound: float) -> None:
