@@ -230,7 +230,7 @@ def test_a_tiny_base_whose_build_was_killed_is_built_again(tmp_path):
     job = make_tiny_job()
     reference = build_tiny_checkpoint(tmp_path / "reference")
     assert is_built_tiny_checkpoint(reference)
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]  # the staging directory is gone
+    assert not [p.name for p in reference.iterdir() if p.name.startswith(".tmp-")]  # the staging directory is gone
     want = {f.name: f.read_bytes() for f in reference.iterdir()}
     # the state a kill during the old in-place build left: the config and half of the weights, no marker
     work = tmp_path / "run"
@@ -239,6 +239,8 @@ def test_a_tiny_base_whose_build_was_killed_is_built_again(tmp_path):
     (half / "config.json").write_bytes(want["config.json"])
     (half / "model.safetensors").write_bytes(want["model.safetensors"][: len(want["model.safetensors"]) // 2])
     (half / "notes.txt").write_text("kept")
+    (half / ".tmp-build-0badf00d").mkdir()  # the staging directory of a build killed with the new code
+    (half / ".tmp-build-0badf00d" / "model.safetensors").write_bytes(b"partial")
     assert not is_built_tiny_checkpoint(half)
     assert resolve_base_dir(job.spec.model, work) == half
     assert is_built_tiny_checkpoint(half)

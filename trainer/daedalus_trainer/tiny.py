@@ -315,10 +315,11 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> 
     ``chat_template.jinja``, ``processor_config.json`` naming :class:`TinyQwen3VLProcessor`) and
     ``daedalus_tiny.json`` (the :class:`TinySpec` used, :data:`TINY_META`). Takes ~1 s on one core.
 
-    Crash-safe: everything is written into a temporary sibling ``.tmp-<name>-<id>`` first, then each file is renamed
-    into ``out_dir`` with :data:`TINY_META` last, so a build killed part-way leaves ``out_dir`` without the marker
-    (``config.json`` is written first by ``save_pretrained`` and proves nothing): :func:`is_built_tiny_checkpoint`
-    tells the two apart, and building again over such a directory replaces its files (other files in it are kept).
+    Crash-safe: everything is written into ``out_dir/.tmp-build-<id>`` first and fsynced, then each file is renamed
+    into ``out_dir``, ``config.json`` and then :data:`TINY_META` last, so a build killed part-way leaves ``out_dir``
+    without the marker (in place, ``save_pretrained`` writes ``config.json`` first, which then proved nothing):
+    :func:`is_built_tiny_checkpoint` tells the two apart, and building again over such a directory replaces its files
+    (other files in it are kept).
 
     Raises:
         ValueError: ``spec`` fails :meth:`TinySpec.check`.
@@ -327,13 +328,19 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> 
     spec = spec or TinySpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}-{uuid.uuid4().hex[:8]}")
+    for stale in out.glob(".tmp-build-*"):  # a build killed earlier
+        shutil.rmtree(stale, ignore_errors=True)
+    # staged inside out_dir (same filesystem, and writable wherever out_dir is: a mount point's parent may not be)
+    tmp = out / f".tmp-build-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
         _build_into(tmp, spec)
-        marker = tmp / TINY_META
+        for f in tmp.iterdir():  # save_pretrained does not fsync: a power loss must not keep names without data
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
         (out / TINY_META).unlink(missing_ok=True)  # a rebuild: unfinished until the new marker is in place
-        for f in sorted(tmp.iterdir(), key=lambda f: f == marker):  # the marker last
+        last = ("config.json", TINY_META)  # config.json (what model.path's check looks for) next to last
+        for f in sorted(tmp.iterdir(), key=lambda f: (f.name in last, last.index(f.name) if f.name in last else 0)):
             os.replace(f, out / f.name)
         fd = os.open(out, os.O_RDONLY)
         try:
