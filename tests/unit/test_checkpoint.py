@@ -727,3 +727,28 @@ def test_packed_tensors_round_trip_bit_exactly_and_come_back_writable() -> None:
     assert not torch.equal(back["adapter"]["b16"], state["adapter"]["b16"])
     opt.load_state_dict(got)  # what a resumed learner does with it
     opt.step()
+
+
+def test_atomic_write_writes_through_a_symlink_and_a_fifo(tmp_path: Path) -> None:
+    """``daedalus eval --json /dev/stdout`` and a link a user set up: the target gets the text, the link stays a
+    link (a rename over it would have replaced it by a regular file), and no ``.tmp`` sibling is left."""
+    import threading
+
+    from daedalus_trainer.checkpoint import atomic_write_json, atomic_write_text
+
+    target = tmp_path / "results" / "eval.json"
+    target.parent.mkdir()
+    target.write_text("old\n")
+    link = tmp_path / "eval.json"
+    link.symlink_to(target)
+    atomic_write_json(link, {"success": 0.5})
+    assert link.is_symlink() and json.loads(target.read_text()) == {"success": 0.5}
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    atomic_write_text(fifo, "through the pipe\n")
+    reader.join(timeout=10)
+    assert got == ["through the pipe\n"] and not fifo.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json", "pipe", "results"]

@@ -500,6 +500,12 @@ def _fsync_path(path: Path, *, directory: bool = False) -> None:
 
 
 def _atomic_write(path: Path, write: Callable[[IO[str]], None]) -> None:
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        # /dev/stdout, a pipe, a link the user set up: written through as given (a rename would replace the link,
+        # and a sibling next to /dev/stdout cannot be created)
+        with open(path, "w", encoding="utf-8") as f:
+            write(f)
+        return
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -522,7 +528,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     full disk or a power loss, sees the old content or the new, never part of it: written into the sibling
     ``<name>.tmp`` (same directory, so the rename is atomic; a leftover of an interrupted write is overwritten),
     fsynced, renamed over ``path`` with ``os.replace`` (``rename(2)``), then the directory is fsynced (a failure of
-    that last fsync is logged, not raised: the file is already replaced). One writer per path assumed.
+    that last fsync is logged, not raised: the file is already replaced). One writer per path assumed. A ``path``
+    that is a symbolic link or not a regular file (``/dev/stdout``, a FIFO) is written through in place instead.
 
     Raises:
         OSError: the temporary file could not be written, flushed or renamed (``path`` is then untouched and the
