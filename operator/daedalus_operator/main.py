@@ -212,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a Running job's pod may stay not Ready on a Ready node (a readiness probe failing "
                         "under load) before it counts as lost; then the trainer, if it answers, checkpoints before "
                         "the stop (>= 0; 0: lost at once; a pod on a gone or NotReady node is always lost at once); "
-                        "while a job provisions or recovers, a pod Running but not Ready that long on a Ready node is deleted for "
-                        "KubeRay to recreate (0: never)")
+                        "while a job provisions or recovers, a pod Running but not Ready that long on a Ready node is "
+                        "deleted for KubeRay to recreate (at least 60 s; 0: never)")
     p.add_argument("--request-timeout", type=_number("seconds", positive=True), default=5.0, metavar="SECONDS",
                    help="seconds per HTTP call to Ray/the trainer (> 0; calls to the API server get twice this)")
     p.add_argument("--deletion-timeout", type=_number("seconds", positive=False, zero="0: after one try"),

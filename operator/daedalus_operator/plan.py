@@ -35,9 +35,10 @@ Failure handling, in DESIGN order:
    A pod that is only not Ready (Running or Pending on a Ready node: a readiness probe failing under load) is lost
    only once its ``Ready`` condition has been False for longer than ``pod_ready_grace``; then the trainer, when it
    answers, is asked for a checkpoint before the stop. A pod on a gone or NotReady node is lost at once.
-   While Provisioning or Recovering, a pod Running but not Ready on a good node for longer than ``pod_ready_grace`` (counted from
-   its Ready condition's last flip or its containers' latest start, whichever is later) is deleted like a pod on a
-   bad node, so that KubeRay recreates it: otherwise the cluster never becomes usable and the job waits for ever.
+   While Provisioning or Recovering, a pod Running but not Ready on a good node for longer than ``pod_ready_grace``
+   (at least 60 s; counted from its Ready condition's last flip or its containers' latest start, whichever is later)
+   is deleted like a pod on a bad node, so that KubeRay recreates it: otherwise the cluster never becomes usable and
+   the job waits for ever.
 4. Every resubmission counts in ``status.restarts``; those after a planned cause (a HyperPod replacement or reboot,
    :data:`api.PLANNED_REASONS`) also in ``status.plannedRestarts``. Only unplanned ones count against
    ``maxRestarts``: once ``restarts - plannedRestarts >= maxRestarts``, the next unplanned failure makes the job Failed
@@ -230,8 +231,8 @@ class Timing:
     """Operator timing knobs (seconds): ``poll`` between looks while a job is active; ``unreachable_grace`` before an
     unanswering dashboard counts as a lost head; ``pod_ready_grace`` before a Running job's pod that is not Ready on
     a Ready node (its ``Ready`` condition False for longer than this) counts as lost (0: at once), and before a
-    Provisioning or Recovering job's pod Running but not Ready on a good node is deleted to be recreated (0: never, a recreated pod
-    is not Ready at once)."""
+    Provisioning or Recovering job's pod Running but not Ready on a good node is deleted to be recreated (at least
+    60 s; 0: never, a recreated pod is not Ready at once)."""
 
     poll: float = 2.0
     unreachable_grace: float = 60.0
@@ -616,25 +617,34 @@ def _cluster_usable(b: _Builder) -> bool:
             and not h.bad_pods and not h.announced)
 
 
+#: Seconds a pod may stay Running but not Ready on a good node before Provisioning or Recovering deletes it to be
+#: recreated, at least (``pod_ready_grace`` when longer; :func:`_recreate_unusable_pods`).
+POD_RECREATE_MIN_SECONDS = 60.0
+
+
 def _recreate_unusable_pods(b: _Builder, doing: str) -> bool:
     """Delete (so that KubeRay recreates them) the job's pods on bad nodes and those Running but not Ready on a good
     node for longer than ``pod_ready_grace`` (their readiness probe failing since they started: a raylet that cannot
     join, a wedged container), which would otherwise keep :func:`_cluster_usable` false for ever; while such a pod is
     within its grace, look again when the first grace ends. Used before the first submission (Provisioning) and before
     a resubmission (Recovering); ``doing`` names the phase in the event. ``pod_ready_grace`` 0 turns the not-Ready
-    check off (a recreated pod is never Ready at once).
+    check off (a recreated pod is never Ready at once), and a shorter one than :data:`POD_RECREATE_MIN_SECONDS` is
+    raised to it here: a grace tuned for a flickering probe while Running (5 s) would delete every pod that takes
+    longer than that to pass its first readiness probe (KubeRay's waits 10 s before the first check).
 
     Returns:
         True when pods were deleted (the caller requeues and looks again).
     """
     c = b.o.cluster
-    stale, grace_left = b.o.health.stale_not_ready(b.now, b.timing.pod_ready_grace)
+    grace = b.timing.pod_ready_grace
+    after = max(grace, POD_RECREATE_MIN_SECONDS) if grace > 0 else 0.0
+    stale, grace_left = b.o.health.stale_not_ready(b.now, after)
     doomed = tuple(sorted(set(b.o.health.bad_pods) | set(stale)))
     if doomed and c.exists and not c.deleting:
         b.act(DeletePods(doomed))
         if stale:
             b.event("RecreatingPods", f"deleting pod(s) {', '.join(stale)}: Running but not Ready for longer than "
-                    f"{b.timing.pod_ready_grace:.0f} s on a Ready node while {doing}; KubeRay recreates them",
+                    f"{after:.0f} s on a Ready node while {doing}; KubeRay recreates them",
                     EventType.WARNING)
         return True
     if grace_left is not None:

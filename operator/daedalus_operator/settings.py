@@ -40,9 +40,9 @@ class OperatorSettings:
         pod_ready_grace: seconds a Running job's pod may stay not Ready on a Ready node (its ``Ready`` condition's
             ``lastTransitionTime`` that long ago: a readiness probe failing under load) before it counts as lost
             (0: at once). A pod on a gone or NotReady node, a failed or replaced pod is lost at once whatever this is.
-            While a job is Provisioning or Recovering, a pod Running but not Ready on a Ready node for longer than this (from the
-            later of its Ready condition's flip and its containers' start) is deleted so that KubeRay recreates it
-            (0: never).
+            While a job is Provisioning or Recovering, a pod Running but not Ready on a Ready node for longer than
+            this (from the later of its Ready condition's flip and its containers' start; at least 60 s) is deleted so
+            that KubeRay recreates it (0: never).
         request_timeout: seconds for one HTTP call to the Ray dashboard or the trainer.
         deletion_timeout: seconds after ``deletionTimestamp`` after which the finalizer is released whatever failed.
         watch_timeout: server-side watch timeout (``timeoutSeconds``) in seconds; the client gives up 30 s later and

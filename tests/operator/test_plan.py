@@ -682,6 +682,8 @@ def test_a_pod_not_ready_counts_as_lost_after_the_grace_unless_its_node_is_not_r
     (60.0, 600, 30, False),  # its container started 30 s ago (image pull, restart): still inside the grace
     (60.0, 600, 90, True),
     (0.0, 600, None, False),  # --pod-ready-grace 0: never (a recreated pod is never Ready at once)
+    (5.0, 600, 30, False),  # a 5 s grace (for a flickering probe while Running) waits at least 60 s here
+    (5.0, 600, 61, True),
 ])
 def test_recovery_recreates_a_pod_that_stays_not_ready_on_a_ready_node(
         grace: float, flipped_ago: float, started_ago: float | None, deleted: bool) -> None:
