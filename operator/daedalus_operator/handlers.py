@@ -833,6 +833,10 @@ def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, 
             raise wait(f"waiting for the trainer's checkpoint before stopping Ray job {sid}")
         return none(f"the trainer wrote no checkpoint within {bound:g} s")
     if call.error is not None and not call.retryable:
+        if call.http_status == 409:  # the trainer had already ended: nothing runs that a checkpoint could save
+            return DeletionCheckpoint(f"no checkpoint before deletion of attempt {sid}: the trainer had already ended "
+                                      f"({call.error}); its latest checkpoint stands",
+                                      reason=NO_CHECKPOINT_BEFORE_DELETION)
         return none(f"the trainer answered {call.error}")
     if left <= 0:
         return none(f"no answer from the trainer within {bound:g} s" + (f" ({call.error})" if call.error else ""))

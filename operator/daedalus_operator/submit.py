@@ -267,7 +267,7 @@ class CheckpointCalls:
             cur = self._calls.get(key)
             if cur is not None and (cur.in_flight or cur.step is not None):
                 return False
-            self._calls[key] = CheckpointCall(in_flight=True)
+            placeholder = self._calls[key] = CheckpointCall(in_flight=True)
             self.started.append((key, time.monotonic()))
 
         def run() -> None:
@@ -279,7 +279,8 @@ class CheckpointCalls:
             except (KeyError, TypeError, ValueError) as exc:  # an answer without a usable {step, path}
                 result = CheckpointCall(error=str(exc))
             with self._lock:
-                self._calls[key] = result
+                if self._calls.get(key) is placeholder:  # else forgotten meanwhile (and maybe started again)
+                    self._calls[key] = result
             log.info("checkpoint call %s: %s", key, result)
 
         threading.Thread(target=run, name=f"checkpoint-{key}", daemon=True).start()
@@ -291,6 +292,7 @@ class CheckpointCalls:
             return self._calls.get(key or "", CheckpointCall())
 
     def forget(self, key: str) -> None:
-        """Drop the record of ``key`` (the attempt is over)."""
+        """Drop the record of ``key`` (the attempt is over). A call still in flight then records nothing when it
+        ends (no entry kept for ever after a deletion whose trainer answered late)."""
         with self._lock:
             self._calls.pop(key, None)

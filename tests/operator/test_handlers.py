@@ -466,7 +466,9 @@ def test_a_refused_checkpoint_is_asked_again_only_when_that_may_help() -> None:
         rt.kube = SecretOnly("tok")
         clock = [0.0]
         outcome, _ = _until_decided(rt, _deleted_body(), _head(trainer), clock)
-        assert len(trainer.seen) == 1 and outcome.step is None and outcome.warning and "409" in outcome.message
+        assert len(trainer.seen) == 1 and outcome.step is None and "409" in outcome.message
+        # the trainer had ended (the planner's own /stop, a finished run): no Warning that steps were lost
+        assert not outcome.warning and "already ended" in outcome.message and "lost" not in outcome.message
         assert clock[0] < 5.0  # decided on the answer, not on the bound
     finally:
         trainer.close()
@@ -503,5 +505,29 @@ def test_an_unconfirmed_submission_with_an_unanswering_dashboard_is_not_waited_f
         outcome = checkpoint_before_deletion(rt, _deleted_body(confirmed=False), _head(trainer), None, 0.0)
         assert outcome.warning and outcome.reason == NO_CHECKPOINT_BEFORE_DELETION
         assert "never confirmed" in outcome.message and trainer.seen == []
+    finally:
+        trainer.close()
+
+
+def test_a_forgotten_checkpoint_call_records_nothing_when_it_ends_late() -> None:
+    """The finalizer forgets the deletion's call when it releases; a trainer that answers after that (the call was
+    still in flight at the bound) must not leave an entry behind for ever, nor overwrite a call started again."""
+    from fake_kuberay import wait_for
+
+    from daedalus_operator.plan import CheckpointCall
+    from daedalus_operator.submit import CheckpointCalls, TrainerControl
+
+    trainer = ControlTrainer((200, {"step": 3, "path": "/c/3"}), (200, {"step": 4, "path": "/c/4"}), delay=0.5)
+    try:
+        calls = CheckpointCalls()
+        control = TrainerControl(f"http://127.0.0.1:{trainer.port}", token="tok", timeout=1.0)
+        assert calls.start("k", control, 5.0, stop=True)
+        calls.forget("k")
+        wait_for(lambda: len(trainer.seen) == 1, timeout=5, message="the first request")
+        time.sleep(1.0)  # it was answered after the forget
+        assert calls.get("k") == CheckpointCall()  # nothing recorded
+        assert calls.start("k", control, 5.0, stop=True)  # started again: only its own answer counts
+        wait_for(lambda: calls.get("k").step is not None, timeout=5, message="the second answer")
+        assert calls.get("k").step == 4
     finally:
         trainer.close()
