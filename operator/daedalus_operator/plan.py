@@ -42,7 +42,9 @@ Failure handling, in DESIGN order:
 4. Every resubmission counts in ``status.restarts``; those after a planned cause (a HyperPod replacement or reboot,
    :data:`api.PLANNED_REASONS`) also in ``status.plannedRestarts``. Only unplanned ones count against
    ``maxRestarts``: once ``restarts - plannedRestarts >= maxRestarts``, the next unplanned failure makes the job Failed
-   (RestartLimitExceeded); a planned restart is never refused (maintenance must not fail a weeks-long job).
+   (RestartLimitExceeded); a planned restart is never refused (maintenance must not fail a weeks-long job), but one
+   detected before the previous restart made a step backs off like a failure (a flapping node cannot loop at full
+   speed).
    No step progress for ``progressDeadlineSeconds`` counts as hung: checkpoint if possible, then restart.
 """
 
@@ -497,8 +499,15 @@ class _Builder:
         rec = RecoveryInfo(reason=reason.value, node=node, message=message, detected_at=self.now_s(),
                            step_at_detection=step)
         planned = is_planned(reason)
-        failures = self.st.consecutive_failures + (0 if planned else 1)
-        wait = 0.0 if planned else backoff_seconds(self.spec.resilience.restart_backoff_seconds, failures)
+        # A planned cause while the previous restart has not stepped yet (its recovery still open: HyperPod flapping
+        # a node's label, or KubeRay putting the pods back on a node that fails again) backs off like a failure, so
+        # such a loop slows down instead of resubmitting at full speed for ever; it still does not count against
+        # maxRestarts (the recovery's reason stays planned), and the first step made resets the backoff.
+        prev = self.st.recovery
+        stalled = planned and prev is not None and prev.resubmitted_at is not None
+        failures = self.st.consecutive_failures + (0 if planned and not stalled else 1)
+        wait = 0.0 if planned and not stalled else backoff_seconds(self.spec.resilience.restart_backoff_seconds,
+                                                                   failures)
         if wait:
             rec.not_before = format_time(self.now + dt.timedelta(seconds=wait))
         self.set(recovery=rec, consecutive_failures=failures, unreachable_since=None)

@@ -837,6 +837,48 @@ def test_hyperpod_maintenance_past_max_restarts_resumes_and_one_unplanned_failur
     assert r.phase == Phase.FAILED and st["lastFailure"]["reason"] == "RestartLimitExceeded"
 
 
+def test_a_flapping_hyperpod_node_backs_off_without_counting_against_max_restarts() -> None:
+    """HyperPod marks a node under the job again before the restart it caused made a step (a flapping label, or the
+    pods put back on a node that fails again): that restart waits restartBackoffSeconds like a failure instead of
+    looping at full speed, still counts as planned (never against maxRestarts: here 1), and once the job steps again
+    the next announcement is resubmitted at once."""
+    j = lambda status: job(status, resilience__hyperPod=True, resilience__maxRestarts=1,  # noqa: E731
+                           resilience__restartBackoffSeconds=15)
+
+    def walk(status: dict, seconds: float, o: p.Observed) -> tuple[dict, p.Plan]:
+        now = NOW + dt.timedelta(seconds=seconds)
+        result = p.plan(j(status), o, now)
+        return compute_status(status, o, result, None, job=j(status), now=now), result
+
+    def replaced(status: dict, t0: float, attempt: int, step: int) -> tuple[dict, p.Plan]:
+        """Checkpoint, stop, move the pods; returns the first look at which the next attempt may be submitted."""
+        status, r = walk(status, t0, obs(t=trainer(step, step, attempt=attempt), health=ANNOUNCED))
+        assert r.phase == Phase.CHECKPOINTING, r
+        status, r = walk(status, t0 + 1, obs(state=p.RayJobState.STOPPED, health=ANNOUNCED,
+                                             call=p.CheckpointCall(step=step, path=f"/c/{step}")))
+        status, r = walk(status, t0 + 2, obs(state=p.RayJobState.STOPPED, health=ANNOUNCED))
+        assert _kinds(r) == [("DeletePods", "")], r
+        return status, r
+
+    st = running_status()
+    st, _ = replaced(st, 0, 1, 12)
+    st, r = walk(st, 3, obs(state=p.RayJobState.STOPPED))
+    assert ("Submit", "a2") in _kinds(r) and st["consecutiveFailures"] == 0  # the first: at once
+    # attempt 2 has not stepped past 12 when the node is marked again
+    st, _ = replaced(st, 10, 2, 12)
+    assert st["consecutiveFailures"] == 1 and st["recovery"]["notBefore"] == format_time(
+        NOW + dt.timedelta(seconds=10 + 15))
+    st, r = walk(st, 13, obs(state=p.RayJobState.STOPPED))
+    assert ("Submit", "a3") not in _kinds(r) and r.requeue_after == pytest.approx(12.0)  # backing off
+    st, r = walk(st, 25, obs(state=p.RayJobState.STOPPED))
+    assert ("Submit", "a3") in _kinds(r) and (st["restarts"], st["plannedRestarts"]) == (2, 2)  # not refused
+    st, r = walk(st, 30, obs(t=trainer(13, 12, attempt=3)))  # stepping again: the recovery closes
+    assert st.get("recovery") is None and st["consecutiveFailures"] == 0
+    st, _ = replaced(st, 40, 3, 14)
+    st, r = walk(st, 43, obs(state=p.RayJobState.STOPPED))
+    assert ("Submit", "a4") in _kinds(r) and (st["restarts"], st["plannedRestarts"]) == (3, 3)
+
+
 def test_success_reports_the_steps_the_trainer_ran_not_a_later_spec_edit() -> None:
     """``algorithm.steps`` raised from 40 to 96 while attempt 1 (submitted with 40, which its trainer reported) runs:
     the Ray job exits 0 after step 40. Status says 40 of 40 were done, never 96 (the trainer never ran them); on a
