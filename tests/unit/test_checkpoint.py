@@ -10,6 +10,7 @@ Full disk: two honest simulations, both real writes through the real checkpoint 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -20,6 +21,7 @@ import random
 import shutil
 import subprocess
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -513,21 +515,26 @@ def test_enospc_during_save_keeps_previous_checkpoint(tmp_path: Path, where: str
     assert_previous_intact(root, 1)
 
 
-def _try_mount_tmpfs(mountpoint: Path, size: str) -> str | None:
+@contextlib.contextmanager
+def real_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (mount(8) syntax: "1m", "64k") mounted under ``tmp_path`` for the block, so ENOSPC
+    comes from the kernel; the test is skipped, with the reason, where it cannot be mounted (not root, no mount)."""
+    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
-        return "needs root and mount(8)"
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)],
+        pytest.skip("needs root and mount(8)")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
                           capture_output=True, text=True, timeout=10)
-    return None if proc.returncode == 0 else f"mount -t tmpfs failed: {proc.stderr.strip()}"
+    if proc.returncode != 0:
+        pytest.skip(f"mount -t tmpfs failed: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False, timeout=10)
 
 
 def test_enospc_on_a_real_full_tmpfs_keeps_previous_checkpoint(tmp_path: Path) -> None:
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    why = _try_mount_tmpfs(mnt, "1m")
-    if why:
-        pytest.skip(why)
-    try:
+    with real_tmpfs(tmp_path, "1m") as mnt:
         root = mnt / "ckpt"
         manager = CheckpointManager(root, keep=3)
         first = manager.save(1, *make_state(1))
@@ -539,8 +546,6 @@ def test_enospc_on_a_real_full_tmpfs_keeps_previous_checkpoint(tmp_path: Path) -
         assert exc.value.errno == errno.ENOSPC
         assert_previous_intact(root, 1)
         assert shutil.disk_usage(mnt).free == free_before  # the partial checkpoint's space was given back
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False, timeout=10)
 
 
 def test_atomic_write_json_keeps_the_old_file_when_serialising_fails_half_way(tmp_path: Path) -> None:
@@ -563,12 +568,7 @@ def test_atomic_write_text_on_a_real_full_tmpfs_keeps_the_old_file(tmp_path: Pat
     """ENOSPC from the real file system half-way through the write: the old content stays, the partial temporary
     file is removed and its space given back, and a leftover ``<name>.tmp`` of a killed writer does not get in the
     way of the next write."""
-    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    why = _try_mount_tmpfs(mnt, "64k")
-    if why:
-        pytest.skip(why)
-    try:
+    with real_tmpfs(tmp_path, "64k") as mnt:
         path = mnt / "report.json"
         atomic_write_text(path, '{"steps": 6}\n')
         free_before = shutil.disk_usage(mnt).free
@@ -582,8 +582,6 @@ def test_atomic_write_text_on_a_real_full_tmpfs_keeps_the_old_file(tmp_path: Pat
         atomic_write_text(path, '{"steps": 7}\n')
         assert path.read_text() == '{"steps": 7}\n'
         assert sorted(p.name for p in mnt.iterdir()) == ["report.json"]
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False, timeout=10)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -616,6 +614,7 @@ def test_export_adapter_copies_atomically_and_refuses_corrupt_source(tmp_path: P
 
 _EXPORT_KILLED_BETWEEN_RENAMES = """
 import os, signal, sys
+from collections.abc import Iterator
 from pathlib import Path
 from daedalus_trainer.checkpoint import export_adapter
 
