@@ -10,7 +10,9 @@ Registered by :func:`register` on an explicit registry (the timer interval is a 
   for warnings from kopf itself).
 - indexes of the job's pods, the nodes, and the job's RayClusters/RayServices (kept current by kopf's watches).
 - ``@kopf.on.create`` / ``on.update`` (spec) / ``on.resume`` and a ``@kopf.timer`` every ``--poll-interval``: one
-  reconcile of the job; a per-job lock keeps two of them from overlapping.
+  reconcile of the job; a per-job lock keeps two of them from overlapping, and the job is read under it (kopf starts
+  on.resume and the timer's first tick together at every operator start: the one that waited plans from the job as
+  the other left it, not from a body made stale by the other's status write).
 - ``@kopf.on.delete`` (the finalizer): a Running (or Checkpointing) job's trainer is first asked to checkpoint and
   stop (``POST /stop``, waited for at most :func:`deletion_checkpoint_bound` seconds: ``checkpointTimeoutSeconds``,
   at most three quarters of ``--deletion-timeout``; in-process for up to :data:`DELETION_WAIT_SECONDS` per call,
@@ -275,10 +277,11 @@ class Runtime:
         with self.guard:
             return self.made.setdefault(uid, Children())
 
-    def lock_for(self, uid: str) -> threading.Lock:
-        """The lock that serialises the reconciles of job ``uid`` (created on first use, kept for the process)."""
+    def lock_for(self, key: str) -> threading.Lock:
+        """The lock that serialises the reconciles of job ``key`` (``namespace/name``: known before the job is read,
+        so the read happens under the lock; created on first use, kept for the process)."""
         with self.guard:
-            return self.locks.setdefault(uid, threading.Lock())
+            return self.locks.setdefault(key, threading.Lock())
 
     def put_gate(self, uid: str, gate: PollGate | None) -> None:
         """Record (``None``: forget) job ``uid``'s :class:`PollGate`, keeping the count of budgeted ones."""
@@ -616,18 +619,37 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
         kopf.TemporaryError: the status write failed (conflict or API error); kopf retries.
     """
     started = time.monotonic()
-    try:
-        body = rt.kube.get(kube.RLTJ, namespace, name)
-    except kube.KubeError as e:
-        rt.metrics.reconciles.labels(result="error").inc()
-        rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
-        raise kopf.TemporaryError(f"API error reading the job: {e}", delay=2.0) from None
-    rt.last_api_ok = time.monotonic()
-    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-        return None
-    lock = rt.lock_for(body["metadata"].get("uid", f"{namespace}/{name}"))
+    # The lock first, then the GET: a reconcile that waited here for another one of the same job (kopf starts
+    # on.resume and the timer's first tick together at every operator start, on.create and the timer at a job's
+    # creation) plans from the job as that one left it. A body read before the wait was stale by the other's status
+    # write, so its guarded write was answered 409 (and kopf's retry of the handler then wrote its progress
+    # annotations, racing the next reconcile's write).
+    lock = rt.lock_for(f"{namespace}/{name}")
     if not lock.acquire(timeout=30.0 if wait_for_lock else 0.0):
         return None
+    try:
+        try:
+            body = rt.kube.get(kube.RLTJ, namespace, name)
+        except kube.KubeError as e:
+            rt.metrics.reconciles.labels(result="error").inc()
+            rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
+            raise kopf.TemporaryError(f"API error reading the job: {e}", delay=2.0) from None
+        rt.last_api_ok = time.monotonic()
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        return _reconcile_locked(rt, namespace, name, body, indexes, logger, started)
+    finally:
+        lock.release()
+
+
+def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, Any], indexes: dict[str, Any],
+                      logger: Any, started: float) -> Plan | None:
+    """:func:`reconcile` once it holds the job's lock and has read ``body`` (fresh, not being deleted); ``started``:
+    ``time.monotonic()`` when the reconcile began, for its latency metric.
+
+    Raises:
+        kopf.TemporaryError: as :func:`reconcile`.
+    """
     result = "ok"
     last: Plan | None = None
     uid = body["metadata"].get("uid", f"{namespace}/{name}")
@@ -721,7 +743,6 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
                 gate = rt.gates.get(uid)
             if gate is not None and gate.quiet:
                 rt.put_gate(uid, dataclasses.replace(gate, quiet=False, budgeted=False))
-        lock.release()
         rt.metrics.reconciles.labels(result=result).inc()
         rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
