@@ -22,10 +22,12 @@ Registered by :func:`register` on an explicit registry (the timer interval is a 
   seconds (:func:`liveness`: ``GET /version``; any HTTP answer, a 403 included, counts as an answer).
 
 One reconcile: a fresh GET of the job (never a stale body), observations, the plan, the status written once when it
-changed (a merge patch carrying the job's resourceVersion: a concurrent write makes it 409 and the next tick re-plans
-from fresh state; nothing is executed), then the actions. An action that fails is reported in the ``Reconciling``
-condition and retried by the next reconcile. ``EnsureChildren`` creates only what this process has not created yet
-(:class:`Children`): one create per child and job, no 409 AlreadyExists while kopf's index catches up.
+changed (a merge patch carrying the job's resourceVersion: a concurrent write makes it 409 and kopf's retry re-plans
+from fresh state; nothing is executed; a 409 caused only by kopf's own finalizer or annotations written meanwhile is
+sent again with the fresh resourceVersion, :func:`write_status`), then the actions. An action that fails is reported
+in the ``Reconciling`` condition and retried by the next reconcile. ``EnsureChildren`` creates only what this process
+has not created yet (:class:`Children`): one create per child and job, no 409 AlreadyExists while kopf's index catches
+up.
 """
 
 from __future__ import annotations
@@ -606,6 +608,68 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
 
 
 # ------------------------------------------------------------------------------------------------ one reconcile
+#: Prefix of kopf's own annotations on a job (set at startup): progress storage (``<prefix>/reconcile`` while a
+#: handler is retried, ``<prefix>/touch-dummy``) and the diff-base (``<prefix>/last-handled-configuration``).
+KOPF_ANNOTATION_PREFIX = "kopf.daedalus.dev"
+
+
+def bookkeeping_only(planned: dict[str, Any], fresh: dict[str, Any]) -> bool:
+    """Whether the job went from ``planned`` (the body a reconcile planned from) to ``fresh`` (read again after its
+    status write was answered 409 Conflict) by kopf's own bookkeeping alone: a new ``resourceVersion`` and changes
+    only in ``metadata.managedFields``, ``metadata.finalizers`` (kopf adds ours right after a job's creation) and
+    annotations under :data:`KOPF_ANNOTATION_PREFIX`. Nothing a reconcile reads (spec, status, generation, other
+    annotations, ``deletionTimestamp``) changed, so the status it planned is still the one to write."""
+
+    def strip(body: dict[str, Any]) -> dict[str, Any]:
+        meta = {k: v for k, v in (body.get("metadata") or {}).items()
+                if k not in ("resourceVersion", "managedFields", "finalizers", "annotations")}
+        notes = {k: v for k, v in ((body.get("metadata") or {}).get("annotations") or {}).items()
+                 if not k.startswith(KOPF_ANNOTATION_PREFIX + "/")}
+        return {**body, "metadata": {**meta, **({"annotations": notes} if notes else {})}}
+
+    planned_rv = (planned.get("metadata") or {}).get("resourceVersion")
+    return (fresh.get("metadata") or {}).get("resourceVersion") != planned_rv and strip(planned) == strip(fresh)
+
+
+def write_status(rt: Runtime, namespace: str, name: str, body: dict[str, Any], patch: dict[str, Any],
+                 logger: Any) -> dict[str, Any]:
+    """Write the status merge ``patch`` planned from ``body``, guarded by ``body``'s ``resourceVersion``; returns the
+    job as written.
+
+    A 409 Conflict is answered by one GET: when kopf's own bookkeeping is all that changed since ``body``
+    (:func:`bookkeeping_only`: its finalizer, progress or diff-base annotations, written by kopf on the job between
+    this reconcile's read and its write), the same patch is sent again, guarded by the fresh ``resourceVersion``; the
+    status on the server is then the one planned from, so nothing newer is overwritten. Any other change (another
+    writer's status, the spec, an annotation of anyone else) is re-planned from fresh state by kopf's retry.
+
+    Raises:
+        kopf.TemporaryError: the write failed (a 409 not explained by kopf's bookkeeping, a second 409, or an API
+            error).
+    """
+    def send(version: str) -> dict[str, Any]:
+        return rt.kube.patch(kube.RLTJ, namespace, name, {"metadata": {"resourceVersion": version}, "status": patch},
+                             status=True)
+
+    try:
+        return send(body["metadata"]["resourceVersion"])
+    except kube.KubeError as e:
+        failure = e
+    if failure.conflict:
+        try:
+            fresh = rt.kube.get(kube.RLTJ, namespace, name)
+        except kube.KubeError:
+            fresh = None
+        if fresh is not None and bookkeeping_only(body, fresh):
+            logger.debug(f"status write answered 409 after kopf's own write on the job (resourceVersion "
+                         f"{body['metadata']['resourceVersion']} -> {fresh['metadata']['resourceVersion']}); "
+                         f"sent again")
+            try:
+                return send(fresh["metadata"]["resourceVersion"])
+            except kube.KubeError as e:
+                failure = e
+    raise kopf.TemporaryError(f"status write failed ({failure}); re-planning from fresh state", delay=1.0)
+
+
 def _utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
@@ -680,12 +744,7 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
             new = compute_status(old, observed, last, None, job=job, now=now)
             patch = merge_patch(old, new)
             if patch:
-                try:
-                    body = rt.kube.patch(kube.RLTJ, namespace, name,
-                                         {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
-                                          "status": patch}, status=True)
-                except kube.KubeError as e:
-                    raise kopf.TemporaryError(f"status write failed ({e}); re-planning from fresh state", delay=1.0)
+                body = write_status(rt, namespace, name, body, patch, logger)
             for ev in last.events:
                 kopf.event(body, type=ev.type.value, reason=ev.reason, message=ev.message[:1024])
             if observed.cluster.exists and job.spec is not None:
@@ -1000,9 +1059,9 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     @kopf.on.startup(id="startup", registry=registry)
     def startup(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> None:
         settings.persistence.finalizer = api.FINALIZER
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.daedalus.dev")
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_ANNOTATION_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix="kopf.daedalus.dev", key="last-handled-configuration")
+            prefix=KOPF_ANNOTATION_PREFIX, key="last-handled-configuration")
         settings.posting.level = logging.WARNING
         settings.execution.max_workers = max(4, s.max_workers)
         if s.watch_timeout:

@@ -296,6 +296,78 @@ def test_an_operator_restart_writes_each_job_status_without_a_409(env: OperatorE
     assert (len(conflicts), len(failed)) == (0, 0), (conflicts, failed)
 
 
+class WritesOnLookup(dict):
+    """Stands in for kopf's ``clusters_by_job`` index: its first look-up (inside the reconcile, after its GET of the
+    job and before its status write) runs ``write`` once, as a concurrent writer would."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.write = write
+        self.writes = 0
+
+    def get(self, key, default=None):
+        if not self.writes:
+            self.write()
+            self.writes += 1
+        return default
+
+
+KOPF_DIFF_BASE = {"metadata": {"annotations": {"kopf.daedalus.dev/last-handled-configuration": '{"spec": {}}'}}}
+
+
+@pytest.mark.parametrize("writer, path, patch, retried", [
+    ("kopf's diff-base", None, KOPF_DIFF_BASE, True),
+    ("kopf's progress", None, {"metadata": {"annotations": {"kopf.daedalus.dev/reconcile": '{"retries": 1}'}}}, True),
+    ("kopf's finalizer", None, {"metadata": {"finalizers": [api.FINALIZER]}}, True),
+    ("another annotation", None, {"metadata": {"annotations": {"touched-by": "someone"}}}, False),
+    ("another status", "status", {"status": {"phase": "Suspended", "attempt": 7}}, False),
+    ("the spec", None, {"spec": {"suspend": True}}, False),
+], ids=["diff-base", "progress", "finalizer", "annotation", "status", "spec"])
+def test_a_status_write_refused_for_kopfs_own_write_alone_is_sent_again(tmp_path: Path, writer: str,
+                                                                           path: str | None, patch: dict,
+                                                                           retried: bool) -> None:
+    """kopf writes its finalizer, progress and diff-base annotations on the job itself, between a reconcile's GET and
+    its status write at times (a job's creation; around a retried handler): the guarded write is answered 409 though
+    nothing the reconcile planned from changed. Such a write is sent again with the fresh resourceVersion, once;
+    a write by anyone else (an annotation, the status, the spec) still makes the reconcile fail for kopf's retry to
+    re-plan, and the other writer's status is never overwritten."""
+    import kopf
+
+    from daedalus_operator import kube
+    from daedalus_operator.handlers import Runtime, reconcile
+    from daedalus_operator.metrics import OperatorMetrics
+    from daedalus_operator.settings import OperatorSettings
+
+    e = OperatorEnv(tmp_path, None, poll=0.3)
+    e.start(operator=False, fake_kuberay=False)
+    try:
+        e.apply(e.job_manifest())
+        # a job the operator already looked at (no phase change, so no event to post outside kopf): Provisioning
+        e.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"phase": "Provisioning", "rayClusterName": "local-tiny-ray",
+                                                          "observedGeneration": 1}}, status=True)
+        rt = Runtime(settings=OperatorSettings(control_port=e.control_port, config_dir=str(tmp_path / "etc")),
+                     metrics=OperatorMetrics(), kube=kube.KubeAPI(kube.api_client_from_environment(str(e.kubeconfig))))
+        interfering = WritesOnLookup(lambda: e.kube.patch(RLTJ, "ml", "local-tiny", patch, status=path == "status"))
+        before = len(e.api.conflicts)
+        logger = logging.getLogger("test.reconcile")
+        if retried:
+            last = reconcile(rt, "ml", "local-tiny", {"clusters_by_job": interfering}, logger)
+            assert last is not None and last.phase.value == "Provisioning"
+            st = e.status()
+            assert "conditions" in st and st["phase"] == "Provisioning"  # the planned status, written
+        else:
+            with pytest.raises(kopf.TemporaryError, match="409 Conflict"):
+                reconcile(rt, "ml", "local-tiny", {"clusters_by_job": interfering}, logger)
+            st = e.status()
+            assert "conditions" not in st  # nothing of the stale plan was written
+            if path == "status":
+                assert (st["phase"], st["attempt"]) == ("Suspended", 7)  # the other writer's status stands
+        assert interfering.writes == 1
+        assert len(e.api.conflicts) - before == 1, e.api.conflicts[before:]  # the one refused write
+    finally:
+        e.stop()
+
+
 def test_hyperpod_job_schedules_on_plain_eks_nodes_and_says_why_while_it_cannot(tmp_path: Path) -> None:
     """``resilience.hyperPod: true`` (the default) on a cluster whose nodes carry no HyperPod label (plain EKS): the
     Ray pods must schedule there. While no node fits, the Provisioning condition repeats the scheduler's reason

@@ -7,8 +7,8 @@ lacks what a controller depends on (docs/engineering-notes.md, "Kubernetes API f
 
 - ``metadata.uid``, ``creationTimestamp``, ``namespace`` written into the object, ``generateName``;
 - a global ``resourceVersion`` incremented on every write; a merge patch or PUT carrying a stale
-  ``metadata.resourceVersion`` gets **409 Conflict** (each one recorded in :attr:`HonestKubernetes.conflicts`); a JSON patch whose ``test`` op fails gets **422** (what kopf's
-  finalizer patch expects);
+  ``metadata.resourceVersion`` gets **409 Conflict** (each one recorded in :attr:`HonestKubernetes.conflicts`); a
+  JSON patch whose ``test`` op fails gets **422** (what kopf's finalizer patch expects);
 - ``metadata.generation`` starting at 1 and incremented only when something outside ``metadata`` and ``status``
   changes;
 - **201** on create, **409 AlreadyExists** for a duplicate name, **404** for unknown objects, **415** for a
