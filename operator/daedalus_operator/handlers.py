@@ -771,10 +771,12 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
                 errored = compute_status(new, observed, last, error, job=job, now=now)
                 epatch = merge_patch(new, errored)
                 if epatch:
+                    # Guarded like the first write (``body`` is the job as that one left it): a status another
+                    # writer changed meanwhile stands; the next reconcile reports the failure again.
                     try:
-                        body = rt.kube.patch(kube.RLTJ, namespace, name, {"status": epatch}, status=True)
-                    except kube.KubeError:
-                        pass
+                        body = write_status(rt, namespace, name, body, epatch, logger)
+                    except kopf.TemporaryError as e:
+                        logger.info(f"the failure was not recorded in the status: {e}")
                 break
             if last.requeue_after is None:
                 break

@@ -368,6 +368,51 @@ def test_a_status_write_refused_for_kopfs_own_write_alone_is_sent_again(tmp_path
         e.stop()
 
 
+def test_a_failed_action_is_recorded_in_the_status_without_overwriting_a_newer_one(tmp_path: Path) -> None:
+    """After its guarded status write a reconcile runs the actions; one that fails is recorded in the Reconciling
+    condition by a second status write. That one carried no resourceVersion: conditions another writer set between
+    the two writes were overwritten (a merge patch replaces a list whole). It is guarded like the first now."""
+    import threading
+
+    from daedalus_operator import kube
+    from daedalus_operator.handlers import Runtime, reconcile
+    from daedalus_operator.metrics import OperatorMetrics
+    from daedalus_operator.settings import OperatorSettings
+
+    e = OperatorEnv(tmp_path, None, poll=0.3)
+    e.start(operator=False, fake_kuberay=False)
+    try:
+        e.apply(e.job_manifest())
+        e.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"phase": "Provisioning", "rayClusterName": "local-tiny-ray",
+                                                          "observedGeneration": 1}}, status=True)
+        rt = Runtime(settings=OperatorSettings(control_port=e.control_port, config_dir=str(tmp_path / "etc")),
+                     metrics=OperatorMetrics(), kube=kube.KubeAPI(kube.api_client_from_environment(str(e.kubeconfig))))
+        logger = logging.getLogger("test.reconcile")
+        # EnsureChildren's first create is answered 500, 0.5 s late; meanwhile another writer sets the conditions
+        held = e.api.fault("POST", "configmaps", status=500, delay=0.5, times=1)
+        theirs = [{"type": "Ready", "status": "False", "reason": "SetByHand", "message": "another writer",
+                   "lastTransitionTime": "2026-01-01T00:00:00Z"}]
+
+        def other_writer() -> None:
+            wait_for(lambda: held.hits, timeout=10, interval=0.01, message="the create to be held")
+            e.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"conditions": theirs}}, status=True)
+
+        writer = threading.Thread(target=other_writer)
+        writer.start()
+        before = len(e.api.conflicts)
+        reconcile(rt, "ml", "local-tiny", {}, logger)
+        writer.join()
+        assert e.status()["conditions"] == theirs  # the newer status stands
+        assert len(e.api.conflicts) - before == 1  # the failure's write, refused
+        # nobody in between: the failure is recorded
+        e.api.fault("POST", "configmaps", status=500, times=1)
+        reconcile(rt, "ml", "local-tiny", {}, logger)
+        reconciling = {c["type"]: c for c in e.status()["conditions"]}["Reconciling"]
+        assert reconciling["reason"] == "APIError" and "EnsureChildren" in reconciling["message"], reconciling
+    finally:
+        e.stop()
+
+
 def test_hyperpod_job_schedules_on_plain_eks_nodes_and_says_why_while_it_cannot(tmp_path: Path) -> None:
     """``resilience.hyperPod: true`` (the default) on a cluster whose nodes carry no HyperPod label (plain EKS): the
     Ray pods must schedule there. While no node fits, the Provisioning condition repeats the scheduler's reason
