@@ -10,7 +10,9 @@ Registered by :func:`register` on an explicit registry (the timer interval is a 
   for warnings from kopf itself).
 - indexes of the job's pods, the nodes, and the job's RayClusters/RayServices (kept current by kopf's watches).
 - ``@kopf.on.create`` / ``on.update`` (spec) / ``on.resume`` and a ``@kopf.timer`` every ``--poll-interval``: one
-  reconcile of the job; a per-job lock keeps two of them from overlapping.
+  reconcile of the job; a per-job lock keeps two of them from overlapping, and the job is read under it (kopf starts
+  on.resume and the timer's first tick together at every operator start: the one that waited plans from the job as
+  the other left it, not from a body made stale by the other's status write).
 - ``@kopf.on.delete`` (the finalizer): a Running (or Checkpointing) job's trainer is first asked to checkpoint and
   stop (``POST /stop``, waited for at most :func:`deletion_checkpoint_bound` seconds: ``checkpointTimeoutSeconds``,
   at most three quarters of ``--deletion-timeout``; in-process for up to :data:`DELETION_WAIT_SECONDS` per call,
@@ -20,10 +22,12 @@ Registered by :func:`register` on an explicit registry (the timer interval is a 
   seconds (:func:`liveness`: ``GET /version``; any HTTP answer, a 403 included, counts as an answer).
 
 One reconcile: a fresh GET of the job (never a stale body), observations, the plan, the status written once when it
-changed (a merge patch carrying the job's resourceVersion: a concurrent write makes it 409 and the next tick re-plans
-from fresh state; nothing is executed), then the actions. An action that fails is reported in the ``Reconciling``
-condition and retried by the next reconcile. ``EnsureChildren`` creates only what this process has not created yet
-(:class:`Children`): one create per child and job, no 409 AlreadyExists while kopf's index catches up.
+changed (a merge patch carrying the job's resourceVersion: a concurrent write makes it 409 and kopf's retry re-plans
+from fresh state; nothing is executed; a 409 caused only by kopf's own finalizer or annotations written meanwhile is
+sent again with the fresh resourceVersion, :func:`write_status`), then the actions. An action that fails is reported
+in the ``Reconciling`` condition and retried by the next reconcile. ``EnsureChildren`` creates only what this process
+has not created yet (:class:`Children`): one create per child and job, no 409 AlreadyExists while kopf's index catches
+up.
 """
 
 from __future__ import annotations
@@ -275,10 +279,11 @@ class Runtime:
         with self.guard:
             return self.made.setdefault(uid, Children())
 
-    def lock_for(self, uid: str) -> threading.Lock:
-        """The lock that serialises the reconciles of job ``uid`` (created on first use, kept for the process)."""
+    def lock_for(self, key: str) -> threading.Lock:
+        """The lock that serialises the reconciles of job ``key`` (``namespace/name``: known before the job is read,
+        so the read happens under the lock; created on first use, kept for the process)."""
         with self.guard:
-            return self.locks.setdefault(uid, threading.Lock())
+            return self.locks.setdefault(key, threading.Lock())
 
     def put_gate(self, uid: str, gate: PollGate | None) -> None:
         """Record (``None``: forget) job ``uid``'s :class:`PollGate`, keeping the count of budgeted ones."""
@@ -603,6 +608,68 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
 
 
 # ------------------------------------------------------------------------------------------------ one reconcile
+#: Prefix of kopf's own annotations on a job (set at startup): progress storage (``<prefix>/reconcile`` while a
+#: handler is retried, ``<prefix>/touch-dummy``) and the diff-base (``<prefix>/last-handled-configuration``).
+KOPF_ANNOTATION_PREFIX = "kopf.daedalus.dev"
+
+
+def bookkeeping_only(planned: dict[str, Any], fresh: dict[str, Any]) -> bool:
+    """Whether the job went from ``planned`` (the body a reconcile planned from) to ``fresh`` (read again after its
+    status write was answered 409 Conflict) by kopf's own bookkeeping alone: a new ``resourceVersion`` and changes
+    only in ``metadata.managedFields``, ``metadata.finalizers`` (kopf adds ours right after a job's creation) and
+    annotations under :data:`KOPF_ANNOTATION_PREFIX`. Nothing a reconcile reads (spec, status, generation, other
+    annotations, ``deletionTimestamp``) changed, so the status it planned is still the one to write."""
+
+    def strip(body: dict[str, Any]) -> dict[str, Any]:
+        meta = {k: v for k, v in (body.get("metadata") or {}).items()
+                if k not in ("resourceVersion", "managedFields", "finalizers", "annotations")}
+        notes = {k: v for k, v in ((body.get("metadata") or {}).get("annotations") or {}).items()
+                 if not k.startswith(KOPF_ANNOTATION_PREFIX + "/")}
+        return {**body, "metadata": {**meta, **({"annotations": notes} if notes else {})}}
+
+    planned_rv = (planned.get("metadata") or {}).get("resourceVersion")
+    return (fresh.get("metadata") or {}).get("resourceVersion") != planned_rv and strip(planned) == strip(fresh)
+
+
+def write_status(rt: Runtime, namespace: str, name: str, body: dict[str, Any], patch: dict[str, Any],
+                 logger: Any) -> dict[str, Any]:
+    """Write the status merge ``patch`` planned from ``body``, guarded by ``body``'s ``resourceVersion``; returns the
+    job as written.
+
+    A 409 Conflict is answered by one GET: when kopf's own bookkeeping is all that changed since ``body``
+    (:func:`bookkeeping_only`: its finalizer, progress or diff-base annotations, written by kopf on the job between
+    this reconcile's read and its write), the same patch is sent again, guarded by the fresh ``resourceVersion``; the
+    status on the server is then the one planned from, so nothing newer is overwritten. Any other change (another
+    writer's status, the spec, an annotation of anyone else) is re-planned from fresh state by kopf's retry.
+
+    Raises:
+        kopf.TemporaryError: the write failed (a 409 not explained by kopf's bookkeeping, a second 409, or an API
+            error).
+    """
+    def send(version: str) -> dict[str, Any]:
+        return rt.kube.patch(kube.RLTJ, namespace, name, {"metadata": {"resourceVersion": version}, "status": patch},
+                             status=True)
+
+    try:
+        return send(body["metadata"]["resourceVersion"])
+    except kube.KubeError as e:
+        failure = e
+    if failure.conflict:
+        try:
+            fresh = rt.kube.get(kube.RLTJ, namespace, name)
+        except kube.KubeError:
+            fresh = None
+        if fresh is not None and bookkeeping_only(body, fresh):
+            logger.debug(f"status write answered 409 after kopf's own write on the job (resourceVersion "
+                         f"{body['metadata']['resourceVersion']} -> {fresh['metadata']['resourceVersion']}); "
+                         f"sent again")
+            try:
+                return send(fresh["metadata"]["resourceVersion"])
+            except kube.KubeError as e:
+                failure = e
+    raise kopf.TemporaryError(f"status write failed ({failure}); re-planning from fresh state", delay=1.0)
+
+
 def _utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
@@ -616,18 +683,37 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
         kopf.TemporaryError: the status write failed (conflict or API error); kopf retries.
     """
     started = time.monotonic()
-    try:
-        body = rt.kube.get(kube.RLTJ, namespace, name)
-    except kube.KubeError as e:
-        rt.metrics.reconciles.labels(result="error").inc()
-        rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
-        raise kopf.TemporaryError(f"API error reading the job: {e}", delay=2.0) from None
-    rt.last_api_ok = time.monotonic()
-    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-        return None
-    lock = rt.lock_for(body["metadata"].get("uid", f"{namespace}/{name}"))
+    # The lock first, then the GET: a reconcile that waited here for another one of the same job (kopf starts
+    # on.resume and the timer's first tick together at every operator start, on.create and the timer at a job's
+    # creation) plans from the job as that one left it. A body read before the wait was stale by the other's status
+    # write, so its guarded write was answered 409 (and kopf's retry of the handler then wrote its progress
+    # annotations, racing the next reconcile's write).
+    lock = rt.lock_for(f"{namespace}/{name}")
     if not lock.acquire(timeout=30.0 if wait_for_lock else 0.0):
         return None
+    try:
+        try:
+            body = rt.kube.get(kube.RLTJ, namespace, name)
+        except kube.KubeError as e:
+            rt.metrics.reconciles.labels(result="error").inc()
+            rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
+            raise kopf.TemporaryError(f"API error reading the job: {e}", delay=2.0) from None
+        rt.last_api_ok = time.monotonic()
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        return _reconcile_locked(rt, namespace, name, body, indexes, logger, started)
+    finally:
+        lock.release()
+
+
+def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, Any], indexes: dict[str, Any],
+                      logger: Any, started: float) -> Plan | None:
+    """:func:`reconcile` once it holds the job's lock and has read ``body`` (fresh, not being deleted); ``started``:
+    ``time.monotonic()`` when the reconcile began, for its latency metric.
+
+    Raises:
+        kopf.TemporaryError: as :func:`reconcile`.
+    """
     result = "ok"
     last: Plan | None = None
     uid = body["metadata"].get("uid", f"{namespace}/{name}")
@@ -658,12 +744,7 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
             new = compute_status(old, observed, last, None, job=job, now=now)
             patch = merge_patch(old, new)
             if patch:
-                try:
-                    body = rt.kube.patch(kube.RLTJ, namespace, name,
-                                         {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
-                                          "status": patch}, status=True)
-                except kube.KubeError as e:
-                    raise kopf.TemporaryError(f"status write failed ({e}); re-planning from fresh state", delay=1.0)
+                body = write_status(rt, namespace, name, body, patch, logger)
             for ev in last.events:
                 kopf.event(body, type=ev.type.value, reason=ev.reason, message=ev.message[:1024])
             if observed.cluster.exists and job.spec is not None:
@@ -690,10 +771,12 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
                 errored = compute_status(new, observed, last, error, job=job, now=now)
                 epatch = merge_patch(new, errored)
                 if epatch:
+                    # Guarded like the first write (``body`` is the job as that one left it): a status another
+                    # writer changed meanwhile stands; the next reconcile reports the failure again.
                     try:
-                        body = rt.kube.patch(kube.RLTJ, namespace, name, {"status": epatch}, status=True)
-                    except kube.KubeError:
-                        pass
+                        body = write_status(rt, namespace, name, body, epatch, logger)
+                    except kopf.TemporaryError as e:
+                        logger.info(f"the failure was not recorded in the status: {e}")
                 break
             if last.requeue_after is None:
                 break
@@ -721,7 +804,6 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
                 gate = rt.gates.get(uid)
             if gate is not None and gate.quiet:
                 rt.put_gate(uid, dataclasses.replace(gate, quiet=False, budgeted=False))
-        lock.release()
         rt.metrics.reconciles.labels(result=result).inc()
         rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
@@ -979,9 +1061,9 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     @kopf.on.startup(id="startup", registry=registry)
     def startup(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> None:
         settings.persistence.finalizer = api.FINALIZER
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.daedalus.dev")
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_ANNOTATION_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix="kopf.daedalus.dev", key="last-handled-configuration")
+            prefix=KOPF_ANNOTATION_PREFIX, key="last-handled-configuration")
         settings.posting.level = logging.WARNING
         settings.execution.max_workers = max(4, s.max_workers)
         if s.watch_timeout:

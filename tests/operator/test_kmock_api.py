@@ -59,6 +59,8 @@ def test_resource_version_generation_and_conflicts(kube) -> None:
         c.patch(RLTJ, "ns", "j", {"metadata": {"resourceVersion": rv1}, "status": {"phase": "Stale"}}, status=True)
     assert err.value.status == 409
     fresh = c.get(RLTJ, "ns", "j")
+    assert [(x.name, x.subresource, x.sent, x.current) for x in kube.api.conflicts] == [
+        ("j", "status", rv1, fresh["metadata"]["resourceVersion"])]  # recorded, for tests that count them
     ok = c.patch(RLTJ, "ns", "j", {"metadata": {"resourceVersion": fresh["metadata"]["resourceVersion"]},
                                    "status": {"phase": "Fresh"}}, status=True)
     assert ok["status"]["phase"] == "Fresh"

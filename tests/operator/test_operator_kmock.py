@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import time
 import urllib.request
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import yaml
 from fake_kuberay import wait_for
 from kuberay import KUBERAY_CRDS
-from operator_env import OperatorEnv
+from operator_env import RLTJ, OperatorEnv
 
 from daedalus_operator import api
 
@@ -254,6 +255,162 @@ def test_a_job_waiting_for_its_raycluster_is_looked_at_when_the_raycluster_chang
     wait_for(lambda: counts()[0] > reconciles1, timeout=5, message="a reconcile after the RayCluster changed")
     assert wakes().get("raycluster", 0) == wakes0.get("raycluster", 0) + 1, (wakes0, wakes())
     assert env.status()["phase"] == "Provisioning"
+
+
+def test_an_operator_restart_writes_each_job_status_without_a_409(env: OperatorEnv, caplog) -> None:
+    """At every operator start kopf runs on.resume and the timer's first tick of each job together. The one that
+    waited for the other's per-job lock used to plan from the job as read before the wait: stale by the other's
+    status write, so its own guarded write was answered 409 Conflict (an ERROR "Handler 'reconcile' failed
+    temporarily", a retry, and kopf's progress annotations written on the job, which raced the next tick's write in
+    turn). Here the world changed while the operator was down (each RayCluster says something new), so each first
+    reconcile writes the status; the API answers each job's first GET 0.2 s late and its status writes 0.3 s late,
+    as a loaded server would, so the two handlers overlap (without the delays the race is lost in about 1 of 9
+    job-restarts here). Measured with the read before the lock: 6 409s and 6 such ERROR lines over these 3 jobs x 3
+    restarts in each of 4 runs (without the delays 0, 1 and 2 in 3 runs); with the read under the lock: none."""
+    names = ["local-tiny", "job-b", "job-c"]
+    for n in names:
+        env.apply(env.job_manifest(name=n))
+    for n in names:
+        env.wait_phase("Provisioning", timeout=30, name=n)
+        wait_for(lambda n=n: env.kube.get("ray.io/v1/rayclusters", "ml", f"{n}-ray"), timeout=30, message="RayCluster")
+    caplog.set_level(logging.INFO)
+    before = len(env.api.conflicts)
+    failed: list[str] = []
+    for k in range(3):
+        env.stop_operator()
+        for n in names:  # KubeRay has news while the operator is down: the job's Ready message will change
+            env.kube.patch("ray.io/v1/rayclusters", "ml", f"{n}-ray", {"status": {"reason": f"news {k}"}},
+                           status=True)
+        env.api.fault("PATCH", "rltrainingjobs", subresource="status", status=200, delay=0.3, times=len(names))
+        for n in names:
+            env.api.fault("GET", "rltrainingjobs", name=n, status=200, delay=0.2, times=1)
+        caplog.clear()
+        env.start_operator()
+        for n in names:
+            env.wait_status(lambda st, k=k: f"news {k}" in {c["type"]: c for c in st["conditions"]}["Ready"][
+                "message"], timeout=30, message=f"{n} after restart {k}", name=n)
+        time.sleep(1.5)  # the other handler's reconcile, and kopf's retry of it had it failed
+        failed += [f"restart {k}: {r.getMessage()[:120]}" for r in caplog.records
+                   if "failed temporarily" in r.getMessage() and "409" in r.getMessage()]
+    conflicts = [c for c in env.api.conflicts[before:] if c.key == RLTJ]
+    assert (len(conflicts), len(failed)) == (0, 0), (conflicts, failed)
+
+
+class WritesOnLookup(dict):
+    """Stands in for kopf's ``clusters_by_job`` index: its first look-up (inside the reconcile, after its GET of the
+    job and before its status write) runs ``write`` once, as a concurrent writer would."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.write = write
+        self.writes = 0
+
+    def get(self, key, default=None):
+        if not self.writes:
+            self.write()
+            self.writes += 1
+        return default
+
+
+KOPF_DIFF_BASE = {"metadata": {"annotations": {"kopf.daedalus.dev/last-handled-configuration": '{"spec": {}}'}}}
+
+
+@pytest.mark.parametrize("writer, path, patch, retried", [
+    ("kopf's diff-base", None, KOPF_DIFF_BASE, True),
+    ("kopf's progress", None, {"metadata": {"annotations": {"kopf.daedalus.dev/reconcile": '{"retries": 1}'}}}, True),
+    ("kopf's finalizer", None, {"metadata": {"finalizers": [api.FINALIZER]}}, True),
+    ("another annotation", None, {"metadata": {"annotations": {"touched-by": "someone"}}}, False),
+    ("another status", "status", {"status": {"phase": "Suspended", "attempt": 7}}, False),
+    ("the spec", None, {"spec": {"suspend": True}}, False),
+], ids=["diff-base", "progress", "finalizer", "annotation", "status", "spec"])
+def test_a_status_write_refused_for_kopfs_own_write_alone_is_sent_again(tmp_path: Path, writer: str,
+                                                                           path: str | None, patch: dict,
+                                                                           retried: bool) -> None:
+    """kopf writes its finalizer, progress and diff-base annotations on the job itself, between a reconcile's GET and
+    its status write at times (a job's creation; around a retried handler): the guarded write is answered 409 though
+    nothing the reconcile planned from changed. Such a write is sent again with the fresh resourceVersion, once;
+    a write by anyone else (an annotation, the status, the spec) still makes the reconcile fail for kopf's retry to
+    re-plan, and the other writer's status is never overwritten."""
+    import kopf
+
+    from daedalus_operator import kube
+    from daedalus_operator.handlers import Runtime, reconcile
+    from daedalus_operator.metrics import OperatorMetrics
+    from daedalus_operator.settings import OperatorSettings
+
+    e = OperatorEnv(tmp_path, None, poll=0.3)
+    e.start(operator=False, fake_kuberay=False)
+    try:
+        e.apply(e.job_manifest())
+        # a job the operator already looked at (no phase change, so no event to post outside kopf): Provisioning
+        e.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"phase": "Provisioning", "rayClusterName": "local-tiny-ray",
+                                                          "observedGeneration": 1}}, status=True)
+        rt = Runtime(settings=OperatorSettings(control_port=e.control_port, config_dir=str(tmp_path / "etc")),
+                     metrics=OperatorMetrics(), kube=kube.KubeAPI(kube.api_client_from_environment(str(e.kubeconfig))))
+        interfering = WritesOnLookup(lambda: e.kube.patch(RLTJ, "ml", "local-tiny", patch, status=path == "status"))
+        before = len(e.api.conflicts)
+        logger = logging.getLogger("test.reconcile")
+        if retried:
+            last = reconcile(rt, "ml", "local-tiny", {"clusters_by_job": interfering}, logger)
+            assert last is not None and last.phase.value == "Provisioning"
+            st = e.status()
+            assert "conditions" in st and st["phase"] == "Provisioning"  # the planned status, written
+        else:
+            with pytest.raises(kopf.TemporaryError, match="409 Conflict"):
+                reconcile(rt, "ml", "local-tiny", {"clusters_by_job": interfering}, logger)
+            st = e.status()
+            assert "conditions" not in st  # nothing of the stale plan was written
+            if path == "status":
+                assert (st["phase"], st["attempt"]) == ("Suspended", 7)  # the other writer's status stands
+        assert interfering.writes == 1
+        assert len(e.api.conflicts) - before == 1, e.api.conflicts[before:]  # the one refused write
+    finally:
+        e.stop()
+
+
+def test_a_failed_action_is_recorded_in_the_status_without_overwriting_a_newer_one(tmp_path: Path) -> None:
+    """After its guarded status write a reconcile runs the actions; one that fails is recorded in the Reconciling
+    condition by a second status write. That one carried no resourceVersion: conditions another writer set between
+    the two writes were overwritten (a merge patch replaces a list whole). It is guarded like the first now."""
+    import threading
+
+    from daedalus_operator import kube
+    from daedalus_operator.handlers import Runtime, reconcile
+    from daedalus_operator.metrics import OperatorMetrics
+    from daedalus_operator.settings import OperatorSettings
+
+    e = OperatorEnv(tmp_path, None, poll=0.3)
+    e.start(operator=False, fake_kuberay=False)
+    try:
+        e.apply(e.job_manifest())
+        e.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"phase": "Provisioning", "rayClusterName": "local-tiny-ray",
+                                                          "observedGeneration": 1}}, status=True)
+        rt = Runtime(settings=OperatorSettings(control_port=e.control_port, config_dir=str(tmp_path / "etc")),
+                     metrics=OperatorMetrics(), kube=kube.KubeAPI(kube.api_client_from_environment(str(e.kubeconfig))))
+        logger = logging.getLogger("test.reconcile")
+        # EnsureChildren's first create is answered 500, 0.5 s late; meanwhile another writer sets the conditions
+        held = e.api.fault("POST", "configmaps", status=500, delay=0.5, times=1)
+        theirs = [{"type": "Ready", "status": "False", "reason": "SetByHand", "message": "another writer",
+                   "lastTransitionTime": "2026-01-01T00:00:00Z"}]
+
+        def other_writer() -> None:
+            wait_for(lambda: held.hits, timeout=10, interval=0.01, message="the create to be held")
+            e.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"conditions": theirs}}, status=True)
+
+        writer = threading.Thread(target=other_writer)
+        writer.start()
+        before = len(e.api.conflicts)
+        reconcile(rt, "ml", "local-tiny", {}, logger)
+        writer.join()
+        assert e.status()["conditions"] == theirs  # the newer status stands
+        assert len(e.api.conflicts) - before == 1  # the failure's write, refused
+        # nobody in between: the failure is recorded
+        e.api.fault("POST", "configmaps", status=500, times=1)
+        reconcile(rt, "ml", "local-tiny", {}, logger)
+        reconciling = {c["type"]: c for c in e.status()["conditions"]}["Reconciling"]
+        assert reconciling["reason"] == "APIError" and "EnsureChildren" in reconciling["message"], reconciling
+    finally:
+        e.stop()
 
 
 def test_hyperpod_job_schedules_on_plain_eks_nodes_and_says_why_while_it_cannot(tmp_path: Path) -> None:

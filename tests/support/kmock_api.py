@@ -7,8 +7,8 @@ lacks what a controller depends on (docs/engineering-notes.md, "Kubernetes API f
 
 - ``metadata.uid``, ``creationTimestamp``, ``namespace`` written into the object, ``generateName``;
 - a global ``resourceVersion`` incremented on every write; a merge patch or PUT carrying a stale
-  ``metadata.resourceVersion`` gets **409 Conflict**; a JSON patch whose ``test`` op fails gets **422** (what kopf's
-  finalizer patch expects);
+  ``metadata.resourceVersion`` gets **409 Conflict** (each one recorded in :attr:`HonestKubernetes.conflicts`); a
+  JSON patch whose ``test`` op fails gets **422** (what kopf's finalizer patch expects);
 - ``metadata.generation`` starting at 1 and incremented only when something outside ``metadata`` and ``status``
   changes;
 - **201** on create, **409 AlreadyExists** for a duplicate name, **404** for unknown objects, **415** for a
@@ -200,6 +200,19 @@ class Fault:
                 and (self.name is None or self.name == name))
 
 
+@dataclasses.dataclass(frozen=True)
+class Conflict:
+    """A write refused with 409 Conflict because its ``metadata.resourceVersion`` (``sent``) was not the object's
+    (``current``); ``key`` is ``group/version/plural``, ``subresource`` ``"status"`` or ``None``."""
+
+    key: str
+    namespace: str | None
+    name: str
+    subresource: str | None
+    sent: str
+    current: str
+
+
 @attrs.define(kw_only=True)
 class HonestKubernetes(kmock.KubernetesScaffold):
     """The stateful API server (see the module docstring). Declare extra resources with :meth:`declare`."""
@@ -211,6 +224,8 @@ class HonestKubernetes(kmock.KubernetesScaffold):
     _cond: asyncio.Condition | None = attrs.field(default=None, init=False)
     _faults: list[Fault] = attrs.field(factory=list, init=False)
     _lock: threading.RLock = attrs.field(factory=threading.RLock, init=False)
+    #: Every write refused with 409 Conflict for a stale ``metadata.resourceVersion``, in order (not injected faults).
+    conflicts: list[Conflict] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -393,9 +408,12 @@ class HonestKubernetes(kmock.KubernetesScaffold):
         await self._emit(key, "ADDED", obj)
         return result
 
-    def _check_rv(self, current: dict, proposed_meta: dict | None) -> None:
+    def _check_rv(self, current: dict, proposed_meta: dict | None, key: str, subresource: str | None) -> None:
         rv = (proposed_meta or {}).get("resourceVersion")
         if rv is not None and str(rv) != current["metadata"]["resourceVersion"]:
+            meta = current["metadata"]
+            self.conflicts.append(Conflict(key, meta.get("namespace"), meta["name"], subresource, str(rv),
+                                           meta["resourceVersion"]))
             raise KubernetesError(409, "Conflict", "Operation cannot be fulfilled: the object has been modified; "
                                   "please apply your changes to the latest version and try again")
 
@@ -456,7 +474,7 @@ class HonestKubernetes(kmock.KubernetesScaffold):
                                           "strategic merge patch is not supported for custom resources")
                 if not isinstance(body, dict):
                     raise KubernetesError(400, "BadRequest", "a merge patch must be a JSON object")
-                self._check_rv(current, body.get("metadata"))
+                self._check_rv(current, body.get("metadata"), key, request.subresource)
                 new = merge_patch(current, body)
             else:
                 raise KubernetesError(415, "UnsupportedMediaType", f"unsupported patch type {ctype!r}")
@@ -472,7 +490,7 @@ class HonestKubernetes(kmock.KubernetesScaffold):
         with self._lock:
             skey = (key, self._ns(key, request.namespace), request.name or "")
             current = self._get(key, request.namespace, request.name)
-            self._check_rv(current, body.get("metadata"))
+            self._check_rv(current, body.get("metadata"), key, request.subresource)
         return await self._apply_update(key, skey, current, body, request.subresource)
 
     async def _delete(self, key: str, namespace: str | None, name: str | None, options: Any) -> dict:
