@@ -127,9 +127,10 @@ def find_binaries() -> Binaries:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice for port 0)."""
+    """A TCP port free on every address a moment ago (the kernel's choice for port 0; not loopback alone, since the
+    operator's metrics server listens on all addresses)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return sock.getsockname()[1]
 
 

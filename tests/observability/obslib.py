@@ -107,8 +107,9 @@ def alert_names() -> list[str]:
 
 
 def free_port() -> int:
+    """A TCP port free on every address a moment ago (see ray_head.free_port for why not loopback alone)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

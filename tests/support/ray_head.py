@@ -46,12 +46,16 @@ def distinct_free_ports(n: int) -> list[int]:
 
 
 def free_port(lo: int | None = None, hi: int | None = None) -> int:
-    """A TCP port free on 127.0.0.1 right now (any, or within [lo, hi])."""
+    """A TCP port free on every address right now (any, or within [lo, hi]).
+
+    Bound on all addresses, not 127.0.0.1 alone: the operator's metrics server listens on all of them, and a port free
+    on loopback can be held on the machine's own address (Ray's worker processes take ephemeral ports there), which
+    made ``--metrics-port`` fail with EADDRINUSE in two e2e tests of one CI run."""
     for _ in range(200):
         port = 0 if lo is None else random.randint(lo, hi)
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind(("", port))
             except OSError:
                 continue
             return s.getsockname()[1]
