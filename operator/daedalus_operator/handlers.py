@@ -984,7 +984,11 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     started = parse_time(meta.get("deletionTimestamp")) or _utcnow()
     with rt.guard:
         first_seen = rt.deleting.setdefault(uid, time.monotonic())
-    waited = min((_utcnow() - started).total_seconds(), time.monotonic() - first_seen)
+
+    def elapsed() -> float:
+        return min((_utcnow() - started).total_seconds(), time.monotonic() - first_seen)
+
+    waited = elapsed()
     status = body.get("status") or {}
     problems: list[str] = []
     sid = status.get("submissionId")
@@ -1010,7 +1014,7 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
                 if cluster_error is not None or time.monotonic() + (e.delay or 0.0) > slice_end:
                     raise
                 time.sleep(e.delay or 0.0)
-                waited = min((_utcnow() - started).total_seconds(), time.monotonic() - first_seen)
+                waited = elapsed()
         with rt.guard:
             rt.deletion_checkpoints[uid] = outcome
         (logger.warning if outcome.warning else logger.info)(outcome.message)

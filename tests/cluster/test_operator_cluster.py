@@ -41,6 +41,7 @@ from cluster_support import (
     steady_status,
     wait_for,
 )
+from interference import InterferingIndex
 from daedalus_trainer.config import RLTrainingJobStatus
 from pydantic import BaseModel
 
@@ -237,22 +238,6 @@ def test_every_status_field_the_operator_can_write_survives_structural_pruning(j
 
 
 # ------------------------------------------------------------------------------------------------ 409 and retry
-class InterferingIndex(dict):
-    """Stands in for kopf's ``clusters_by_job`` index: looking it up (inside ``gather``, after the reconcile's GET and
-    before its status write) makes another client write to the job once, as a concurrent writer would."""
-
-    def __init__(self, write):
-        super().__init__()
-        self.write = write
-        self.writes = 0
-
-    def get(self, key, default=None):
-        if not self.writes:
-            self.write()
-            self.writes += 1
-        return default
-
-
 def test_a_status_write_with_a_stale_resource_version_is_refused_and_retried(release, jobs, admin, namespace,
                                                                            tmp_path):
     jobs.create(example(TINY, namespace))

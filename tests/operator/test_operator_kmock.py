@@ -11,11 +11,13 @@ import logging
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
 import yaml
 from fake_kuberay import wait_for
+from interference import InterferingIndex
 from kuberay import KUBERAY_CRDS
 from operator_env import RLTJ, OperatorEnv
 
@@ -296,20 +298,23 @@ def test_an_operator_restart_writes_each_job_status_without_a_409(env: OperatorE
     assert (len(conflicts), len(failed)) == (0, 0), (conflicts, failed)
 
 
-class WritesOnLookup(dict):
-    """Stands in for kopf's ``clusters_by_job`` index: its first look-up (inside the reconcile, after its GET of the
-    job and before its status write) runs ``write`` once, as a concurrent writer would."""
+def _provisioning_job_and_runtime(tmp_path: Path) -> tuple[OperatorEnv, Any]:
+    """A kmock API server (no operator, no fake KubeRay) holding the example job as one the operator already looked
+    at (Provisioning: no phase change, so no event to post outside kopf), and a :class:`Runtime` to call
+    ``reconcile`` with by hand. The caller stops the env."""
+    from daedalus_operator import kube
+    from daedalus_operator.handlers import Runtime
+    from daedalus_operator.metrics import OperatorMetrics
+    from daedalus_operator.settings import OperatorSettings
 
-    def __init__(self, write):
-        super().__init__()
-        self.write = write
-        self.writes = 0
-
-    def get(self, key, default=None):
-        if not self.writes:
-            self.write()
-            self.writes += 1
-        return default
+    e = OperatorEnv(tmp_path, None, poll=0.3)
+    e.start(operator=False, fake_kuberay=False)
+    e.apply(e.job_manifest())
+    e.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"phase": "Provisioning", "rayClusterName": "local-tiny-ray",
+                                                      "observedGeneration": 1}}, status=True)
+    rt = Runtime(settings=OperatorSettings(control_port=e.control_port, config_dir=str(tmp_path / "etc")),
+                 metrics=OperatorMetrics(), kube=kube.KubeAPI(kube.api_client_from_environment(str(e.kubeconfig))))
+    return e, rt
 
 
 KOPF_DIFF_BASE = {"metadata": {"annotations": {"kopf.daedalus.dev/last-handled-configuration": '{"spec": {}}'}}}
@@ -333,21 +338,11 @@ def test_a_status_write_refused_for_kopfs_own_write_alone_is_sent_again(tmp_path
     re-plan, and the other writer's status is never overwritten."""
     import kopf
 
-    from daedalus_operator import kube
-    from daedalus_operator.handlers import Runtime, reconcile
-    from daedalus_operator.metrics import OperatorMetrics
-    from daedalus_operator.settings import OperatorSettings
+    from daedalus_operator.handlers import reconcile
 
-    e = OperatorEnv(tmp_path, None, poll=0.3)
-    e.start(operator=False, fake_kuberay=False)
+    e, rt = _provisioning_job_and_runtime(tmp_path)
     try:
-        e.apply(e.job_manifest())
-        # a job the operator already looked at (no phase change, so no event to post outside kopf): Provisioning
-        e.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"phase": "Provisioning", "rayClusterName": "local-tiny-ray",
-                                                          "observedGeneration": 1}}, status=True)
-        rt = Runtime(settings=OperatorSettings(control_port=e.control_port, config_dir=str(tmp_path / "etc")),
-                     metrics=OperatorMetrics(), kube=kube.KubeAPI(kube.api_client_from_environment(str(e.kubeconfig))))
-        interfering = WritesOnLookup(lambda: e.kube.patch(RLTJ, "ml", "local-tiny", patch, status=path == "status"))
+        interfering = InterferingIndex(lambda: e.kube.patch(RLTJ, "ml", "local-tiny", patch, status=path == "status"))
         before = len(e.api.conflicts)
         logger = logging.getLogger("test.reconcile")
         if retried:
@@ -374,19 +369,10 @@ def test_a_failed_action_is_recorded_in_the_status_without_overwriting_a_newer_o
     the two writes were overwritten (a merge patch replaces a list whole). It is guarded like the first now."""
     import threading
 
-    from daedalus_operator import kube
-    from daedalus_operator.handlers import Runtime, reconcile
-    from daedalus_operator.metrics import OperatorMetrics
-    from daedalus_operator.settings import OperatorSettings
+    from daedalus_operator.handlers import reconcile
 
-    e = OperatorEnv(tmp_path, None, poll=0.3)
-    e.start(operator=False, fake_kuberay=False)
+    e, rt = _provisioning_job_and_runtime(tmp_path)
     try:
-        e.apply(e.job_manifest())
-        e.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"phase": "Provisioning", "rayClusterName": "local-tiny-ray",
-                                                          "observedGeneration": 1}}, status=True)
-        rt = Runtime(settings=OperatorSettings(control_port=e.control_port, config_dir=str(tmp_path / "etc")),
-                     metrics=OperatorMetrics(), kube=kube.KubeAPI(kube.api_client_from_environment(str(e.kubeconfig))))
         logger = logging.getLogger("test.reconcile")
         # EnsureChildren's first create is answered 500, 0.5 s late; meanwhile another writer sets the conditions
         held = e.api.fault("POST", "configmaps", status=500, delay=0.5, times=1)

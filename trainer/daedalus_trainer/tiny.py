@@ -326,6 +326,8 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> 
         RuntimeError: see :func:`train_tokenizer`.
     """
     spec = spec or TinySpec()
+    from daedalus_trainer.checkpoint import _fsync_path  # checkpoint imports nothing from here; torch is loaded
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".tmp-build-*"):  # a build killed earlier
@@ -336,17 +338,12 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinySpec | None = None) -> 
         tmp.mkdir()
         _build_into(tmp, spec)
         for f in tmp.iterdir():  # save_pretrained does not fsync: a power loss must not keep names without data
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+            _fsync_path(f)
         (out / TINY_META).unlink(missing_ok=True)  # a rebuild: unfinished until the new marker is in place
         last = ("config.json", TINY_META)  # config.json (what model.path's check looks for) next to last
         for f in sorted(tmp.iterdir(), key=lambda f: (f.name in last, last.index(f.name) if f.name in last else 0)):
             os.replace(f, out / f.name)
-        fd = os.open(out, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_path(out, directory=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -374,10 +371,7 @@ def _build_into(out: Path, spec: TinySpec) -> None:
     processor.save_pretrained(out)
     meta = asdict(spec)
     meta.pop("extra_corpus")
-    with open(out / TINY_META, "w") as f:
-        f.write(json.dumps(meta, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    (out / TINY_META).write_text(json.dumps(meta, indent=2) + "\n")  # fsynced with the others before the renames
 
 
 def count_parameters(model: torch.nn.Module) -> int:
