@@ -38,6 +38,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import kopf
@@ -261,7 +262,9 @@ class Runtime:
     metrics: OperatorMetrics
     kube: kube.KubeAPI | None = None
     calls: CheckpointCalls = dataclasses.field(default_factory=CheckpointCalls)
-    locks: dict[str, threading.Lock] = dataclasses.field(default_factory=dict)
+    # namespace/name -> the lock serialising its reconciles; an entry lives while a reconcile holds or waits for it
+    locks: weakref.WeakValueDictionary[str, threading.Lock] = dataclasses.field(
+        default_factory=weakref.WeakValueDictionary)
     ray: dict[str, RayJobs] = dataclasses.field(default_factory=dict)
     tokens: dict[str, str] = dataclasses.field(default_factory=dict)
     deleting: dict[str, float] = dataclasses.field(default_factory=dict)  # uid -> monotonic time first seen deleting
@@ -281,9 +284,14 @@ class Runtime:
 
     def lock_for(self, key: str) -> threading.Lock:
         """The lock that serialises the reconciles of job ``key`` (``namespace/name``: known before the job is read,
-        so the read happens under the lock; created on first use, kept for the process)."""
+        so the read happens under the lock). Created on first use and kept while a caller holds a reference to it
+        (the reconcile holding it, those waiting for it): two callers at once get the same lock, and an operator
+        that saw many jobs come and go keeps no lock for each (the entry goes with the last reference)."""
         with self.guard:
-            return self.locks.setdefault(key, threading.Lock())
+            lock = self.locks.get(key)
+            if lock is None:
+                lock = self.locks[key] = threading.Lock()
+            return lock
 
     def put_gate(self, uid: str, gate: PollGate | None) -> None:
         """Record (``None``: forget) job ``uid``'s :class:`PollGate`, keeping the count of budgeted ones."""

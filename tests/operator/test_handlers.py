@@ -154,6 +154,25 @@ def _indexes(*, pods=(("head", "node-a", "10"), ("worker", "node-b", "11")), nod
     }
 
 
+def test_a_jobs_reconcile_lock_is_shared_while_used_and_not_kept_after() -> None:
+    """Reconciles of one job share one lock (the second waits for the first); once nobody holds or waits for it the
+    operator keeps no entry for the job, so a long-running operator that saw many jobs does not keep one lock each."""
+    rt = _rt()
+    first = rt.lock_for("ml/a")
+    assert first.acquire(timeout=0)
+    waiter_got: list[bool] = []
+    waiter = threading.Thread(target=lambda: waiter_got.append(rt.lock_for("ml/a").acquire(timeout=0.2)))
+    waiter.start()
+    waiter.join()
+    assert waiter_got == [False]  # the same lock, held: another reconcile of the job waits
+    assert rt.lock_for("ml/b").acquire(timeout=0)  # other jobs are not serialised with it
+    assert set(rt.locks) == {"ml/a"}  # "ml/b": no reference left
+    first.release()
+    del first
+    assert len(rt.locks) == 0
+    assert rt.lock_for("ml/a").acquire(timeout=0)  # a fresh one, unheld
+
+
 def test_dependency_fingerprint_follows_what_the_planner_reads() -> None:
     from daedalus_operator.handlers import dependency_fingerprint
 

@@ -395,6 +395,7 @@ def test_a_failed_action_is_recorded_in_the_status_without_overwriting_a_newer_o
         reconcile(rt, "ml", "local-tiny", {}, logger)
         reconciling = {c["type"]: c for c in e.status()["conditions"]}["Reconciling"]
         assert reconciling["reason"] == "APIError" and "EnsureChildren" in reconciling["message"], reconciling
+        assert len(rt.locks) == 0  # the job's reconcile lock goes with its last reconcile
     finally:
         e.stop()
 
