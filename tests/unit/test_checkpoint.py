@@ -751,3 +751,19 @@ def test_atomic_write_writes_through_a_symlink_and_a_fifo(tmp_path: Path) -> Non
     reader.join(timeout=10)
     assert got == ["through the pipe\n"] and not fifo.is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json", "pipe", "results"]
+
+
+def test_identity_differences_names_each_differing_field_shared_by_both():
+    """The comparison behind the GRPO and SFT resumes' refusal: each field both identities have and that differs,
+    sorted, with both values (or the caller's wording); fields only one side has and a missing identity pass."""
+    from daedalus_trainer.checkpoint import identity_differences
+
+    saved = {"algorithm.seed": 0, "environment.size": 7, "start": [["model.safetensors", 1, 2]], "old.field": 1}
+    now = {"algorithm.seed": 1, "environment.size": 7, "start": [["model.safetensors", 1, 3]], "new.field": 2}
+    assert identity_differences(saved, now) == [
+        "algorithm.seed: 0 there, 1 in this job",
+        "start: [['model.safetensors', 1, 2]] there, [['model.safetensors', 1, 3]] in this job"]
+    assert identity_differences(saved, now, {"start": "the start differs"}) == [
+        "algorithm.seed: 0 there, 1 in this job", "the start differs"]
+    assert identity_differences(saved, dict(saved, **{"new.field": 3})) == []
+    assert identity_differences(None, now) == [] and identity_differences({}, now) == []

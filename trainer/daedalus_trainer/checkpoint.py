@@ -553,6 +553,23 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | N
     _atomic_write(Path(path), write)
 
 
+def identity_differences(saved: Mapping[str, Any] | None, now: Mapping[str, Any],
+                         say: Mapping[str, str] | None = None) -> list[str]:
+    """What differs between the run identity a checkpoint kept (``saved``: a flat ``{"section.field": value}``
+    mapping, e.g. :func:`daedalus_trainer.grpo.run_identity`) and this run's (``now``), one line per field, sorted by
+    field: ``"<field>: <saved> there, <now> in this job"``, or ``say[field]`` where given (a fingerprint whose values
+    mean nothing to a reader). Fields only one side has (from another version of Daedalus) are not compared; no
+    ``saved`` identity (an older checkpoint) differs in nothing.
+
+    Used by the GRPO and SFT resumes to refuse a checkpoint that a run with other settings wrote.
+    """
+    if not saved:
+        return []
+    say = say or {}
+    return [say.get(k) or f"{k}: {saved[k]!r} there, {now[k]!r} in this job"
+            for k in sorted(set(saved) & set(now)) if saved[k] != now[k]]
+
+
 def weight_files(directory: str | os.PathLike[str], *, by_content: bool) -> list[list[Any]]:
     """A fingerprint of the weight files (``*.safetensors``, ``*.bin``) directly in ``directory``, sorted by name:
     ``[name, sha256]`` each with ``by_content`` (an adapter: megabytes, exported again byte for byte the same), else

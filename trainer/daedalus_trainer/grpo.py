@@ -679,15 +679,10 @@ def check_same_run(saved: Mapping[str, Any] | None, now: Mapping[str, Any], wher
     Raises:
         daedalus_trainer.checkpoint.CheckpointError: naming each differing field with both values and the ways on.
     """
-    from daedalus_trainer.checkpoint import CheckpointError
+    from daedalus_trainer.checkpoint import CheckpointError, identity_differences
 
-    if not saved:
-        return
-    diff = []
-    for k in sorted(set(saved) & set(now)):
-        if saved[k] != now[k]:
-            diff.append("the starting point's weights differ (the SFT start was trained or replaced since)" if k ==
-                        "start" else f"{k}: {saved[k]!r} there, {now[k]!r} in this job")
+    diff = identity_differences(saved, now, {
+        "start": "the starting point's weights differ (the SFT start was trained or replaced since)"})
     if diff:
         raise CheckpointError(f"checkpoint {where} was written by a run with other settings ({'; '.join(diff)}): "
                               "continuing it would mix the two runs. Restore those settings, or start over: locally "

@@ -493,14 +493,9 @@ def check_same_run(ckpt: Path, job: Any) -> None:
     Raises:
         daedalus_trainer.checkpoint.CheckpointError: naming each differing field with both values and the ways on.
     """
-    from daedalus_trainer.checkpoint import CheckpointError
+    from daedalus_trainer.checkpoint import CheckpointError, identity_differences
 
-    saved = json.loads((ckpt / "state.json").read_text()).get("identity")
-    if not saved:
-        return
-    now = run_identity(job)
-    diff = [f"{k}: {saved[k]!r} there, {now[k]!r} in this job" for k in sorted(set(saved) & set(now))
-            if saved[k] != now[k]]
+    diff = identity_differences(json.loads((ckpt / "state.json").read_text()).get("identity"), run_identity(job))
     if diff:
         raise CheckpointError(
             f"{ckpt.parent} holds an SFT run started with other settings ({'; '.join(diff)}); continuing or reusing "
