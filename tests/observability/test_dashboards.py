@@ -117,6 +117,36 @@ def test_per_job_queries_follow_the_variables(dashboard: str, title: str, ref: s
                 f"{title}/{ref}: {name}{selector} ignores the dashboard variables"
 
 
+#: Grafana units of time. A target shown in one must read a quantity in seconds.
+TIME_UNITS = {"s", "ms", "us", "ns", "m", "h", "d", "dtdurations", "dtdurationms", "dthms", "dtdhms", "clocks",
+              "clockms"}
+
+
+def effective_unit(panel: dict[str, Any], ref: str) -> str | None:
+    """The unit Grafana shows a target's series in: the panel's default, or the last override matching the target
+    by its refId (``byFrameRefID``) that sets ``unit``."""
+    unit = panel["fieldConfig"]["defaults"].get("unit")
+    for override in panel["fieldConfig"].get("overrides", []):
+        matcher = override.get("matcher", {})
+        if matcher.get("id") == "byFrameRefID" and matcher.get("options") == ref:
+            for prop in override.get("properties", []):
+                if prop.get("id") == "unit":
+                    unit = prop["value"]
+    return unit
+
+
+@pytest.mark.parametrize("dashboard, title, ref, expr", panel_targets())
+def test_a_target_shown_as_a_duration_reads_seconds(dashboard: str, title: str, ref: str, expr: str) -> None:
+    """A target displayed in a time unit reads only metrics measured in seconds (the Prometheus base unit: names
+    ending in ``_seconds``), e.g. a checkpoint's step beside its age must not be drawn as "8.3 min"."""
+    panel = next(p for p in load(dashboard)["panels"] if p["title"] == title)
+    unit = effective_unit(panel, ref)
+    if unit in TIME_UNITS:
+        used = metric_names(expr)
+        assert used and all(n.endswith("_seconds") for n in used), \
+            f"{dashboard} / {title} / {ref} is shown in {unit!r} but reads {sorted(used)}"
+
+
 # --- (b) every query against a real Prometheus ---------------------------------------------------------------------
 
 def needs(expr: str) -> str:
