@@ -40,24 +40,23 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 # The operator's API footprint (issue 6; keep in sync with operator/daedalus_operator). (group, resource) -> verbs.
+# kopf lists, watches, PATCHes and POSTs core/v1 Events; the operator's client GETs, POSTs, PATCHes and DELETEs.
+# Nothing PUTs (update), reads a /status subresource, GETs a pod, node or RayService, or uses events.k8s.io.
 NAMESPACED_RULES = {
-    ("daedalus.dev", "rltrainingjobs"): {"get", "list", "watch", "patch", "update"},
-    ("daedalus.dev", "rltrainingjobs/status"): {"get", "patch", "update"},
-    ("daedalus.dev", "rltrainingjobs/finalizers"): {"update"},
-    ("ray.io", "rayclusters"): {"get", "list", "watch", "create", "patch", "update", "delete"},
-    ("ray.io", "rayservices"): {"get", "list", "watch", "create", "patch", "update", "delete"},
-    ("ray.io", "rayclusters/status"): {"get"},
-    ("ray.io", "rayservices/status"): {"get"},
+    ("daedalus.dev", "rltrainingjobs"): {"get", "list", "watch", "patch"},
+    ("daedalus.dev", "rltrainingjobs/status"): {"patch"},
+    ("daedalus.dev", "rltrainingjobs/finalizers"): {"update"},   # blockOwnerDeletion (OwnerReferencesPermission...)
+    ("ray.io", "rayclusters"): {"get", "list", "watch", "create", "delete"},
+    ("ray.io", "rayservices"): {"list", "watch", "create", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("", "secrets"): {"get", "create", "delete"},
-    ("", "pods"): {"get", "list", "watch", "delete"},
-    ("", "events"): {"create", "patch"},
-    ("events.k8s.io", "events"): {"create", "patch"},
+    ("", "pods"): {"list", "watch", "delete"},
+    ("", "events"): {"create"},
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
 }
 CLUSTER_RULES = {
-    ("", "nodes"): {"get", "list", "watch"},
-    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("", "nodes"): {"list", "watch"},
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
 }
 PEERING_VERBS = {"get", "list", "watch", "patch"}
 

@@ -87,6 +87,19 @@ NOT_GRANTED = [
     ("patch", "", "secrets", ""),
     *[(verb, "", "services", "") for verb in ("get", "list", "watch", "create", "patch", "delete")],
     ("list", "networking.k8s.io", "networkpolicies", ""),
+    # Nothing PUTs (kopf and the operator's client write with PATCH), reads a /status subresource, patches a Ray
+    # object, GETs a pod, node or RayService, patches an Event or uses events.k8s.io.
+    ("update", "daedalus.dev", "rltrainingjobs", ""),
+    ("update", "daedalus.dev", "rltrainingjobs", "status"),
+    ("get", "daedalus.dev", "rltrainingjobs", "status"),
+    *[(verb, "ray.io", resource, "") for verb in ("patch", "update") for resource in ("rayclusters", "rayservices")],
+    ("get", "ray.io", "rayclusters", "status"),
+    ("get", "ray.io", "rayservices", ""),
+    ("get", "", "pods", ""),
+    ("get", "", "nodes", ""),
+    ("patch", "", "events", ""),
+    ("create", "events.k8s.io", "events", ""),
+    ("get", "apiextensions.k8s.io", "customresourcedefinitions", ""),
 ]
 
 

@@ -59,23 +59,30 @@ RBAC rules for namespaced resources the operator touches (least privilege, no wi
 cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync with operator/daedalus_operator/.
 */}}
 {{- define "daedalus.namespacedRules" -}}
-# RLTrainingJobs: watched and annotated/patched by kopf (finalizers, progress annotations).
+# Only the verbs the operator uses: kopf reads with list/watch and writes with PATCH (finalizer, progress and
+# diff-base annotations) and POSTs core/v1 Events; the operator's own client (operator/daedalus_operator/kube.py)
+# GETs, POSTs, PATCHes and DELETEs. Nothing uses PUT (update) or events.k8s.io.
+# RLTrainingJobs: watched by kopf, read fresh before each status write.
 - apiGroups: ["daedalus.dev"]
   resources: ["rltrainingjobs"]
-  verbs: ["get", "list", "watch", "patch", "update"]
+  verbs: ["get", "list", "watch", "patch"]
+# The status write (a JSON merge patch of /status).
 - apiGroups: ["daedalus.dev"]
   resources: ["rltrainingjobs/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["patch"]
+# Children carry an owner reference with blockOwnerDeletion: true; with the OwnerReferencesPermissionEnforcement
+# admission plugin creating them needs update on the owner's finalizers subresource.
 - apiGroups: ["daedalus.dev"]
   resources: ["rltrainingjobs/finalizers"]
   verbs: ["update"]
-# Children: the job's RayCluster and, with serving enabled, the RayService.
+# Children: the job's RayCluster (kopf index; one GET right after creating it; deleted to recreate it) and, with
+# serving enabled, the RayService (kopf index; created once, deleted by the finalizer). Never patched.
 - apiGroups: ["ray.io"]
-  resources: ["rayclusters", "rayservices"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+  resources: ["rayclusters"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 - apiGroups: ["ray.io"]
-  resources: ["rayclusters/status", "rayservices/status"]
-  verbs: ["get"]
+  resources: ["rayservices"]
+  verbs: ["list", "watch", "create", "delete"]
 # Children: the resolved trainer config (created, read back and patched when the spec changes, deleted by the
 # finalizer) and the control-token Secret (created once, its token read back, deleted by the finalizer). By name
 # only: no list or watch of other workloads' Secrets and ConfigMaps.
@@ -85,18 +92,15 @@ cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync 
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create", "delete"]
-# The job's Ray pods, to map them onto nodes and notice lost heads/workers.
+# The job's Ray pods (kopf index), to map them onto nodes and notice lost heads/workers.
 # delete: move pods off nodes HyperPod is replacing (KubeRay recreates them on Schedulable nodes).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "delete"]
-# Kubernetes Events for every transition (kopf posts through core/v1; events.k8s.io for newer clients).
+  verbs: ["list", "watch", "delete"]
+# Kubernetes Events for every transition (kopf posts them through core/v1).
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
-- apiGroups: ["events.k8s.io"]
-  resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 # NetworkPolicy admitting only the operator to the Ray dashboard and control ports (by name: created, read back and
 # patched when the operator's settings change it, deleted by the finalizer).
 - apiGroups: ["networking.k8s.io"]
@@ -106,14 +110,14 @@ cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync 
 
 {{/* Cluster-scoped resources: needed in both modes. */}}
 {{- define "daedalus.clusterRules" -}}
-# Node health (HyperPod label sagemaker.amazonaws.com/node-health-status) under the job's pods.
+# Node health (HyperPod label sagemaker.amazonaws.com/node-health-status) under the job's pods (kopf index).
 - apiGroups: [""]
   resources: ["nodes"]
-  verbs: ["get", "list", "watch"]
-# kopf scans CRDs to resolve the resources it serves.
+  verbs: ["list", "watch"]
+# kopf lists and watches CRDs to notice resources it serves appearing or going.
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["list", "watch"]
 {{- end }}
 
 {{/*
