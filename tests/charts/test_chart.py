@@ -296,6 +296,47 @@ def test_the_liveness_check_answers_inside_the_probe_timeout(rendered: dict[str,
         assert LIVENESS_API_TIMEOUT + 2 <= container[probe]["timeoutSeconds"], probe
 
 
+def _container_env(container: dict[str, Any], pod_name: str, namespace: str) -> dict[str, str]:
+    """The container's environment as the kubelet resolves it (values, and the pod's name and namespace)."""
+    fields = {"metadata.name": pod_name, "metadata.namespace": namespace}
+    env = {}
+    for var in container["env"]:
+        env[var["name"]] = var["value"] if "value" in var else fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
+    return env
+
+
+def test_kopf_names_the_operator_after_its_pod_whatever_uid_it_runs_as(rendered: dict[str, list[dict[str, Any]]],
+                                                                      tmp_path: Path) -> None:
+    """kopf builds the operator's identity (peering, logs) from $POD_ID, else from getpass.getuser(), which raises
+    KeyError for a uid without a passwd entry. securityContext.runAsUser may be any non-root uid, not only the
+    image's 10001: kopf's identity detection, run in the container's environment as a uid the system does not know
+    (a user namespace), must name the pod."""
+    import shutil
+    import subprocess
+    import sys
+
+    unshare = shutil.which("unshare")
+    if not unshare:
+        pytest.skip("unshare (util-linux) not installed")
+    uid = 54321
+    probe = subprocess.run([unshare, "--user", f"--map-user={uid}", f"--map-group={uid}", "true"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no user namespaces here: {probe.stderr.strip()}")
+    import pwd
+    with pytest.raises(KeyError):
+        pwd.getpwuid(uid)  # the point: a uid without a passwd entry
+    dep = one(rendered["defaults"], "Deployment")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    env = _container_env(container, "rel-daedalus-5d8f7c9b6-x2k4q", "daedalus")
+    env["HOME"] = str(tmp_path)
+    code = "from kopf._core.engines import peering; print(peering.detect_own_id(manual=False))"
+    proc = subprocess.run([unshare, "--user", f"--map-user={uid}", f"--map-group={uid}", sys.executable, "-c", code],
+                          env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "rel-daedalus-5d8f7c9b6-x2k4q"
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_deployment_args_parse_with_the_operator_cli(rendered: dict[str, list[dict[str, Any]]], variant: str) -> None:
     """The rendered command line is accepted by the operator's own argument parser and means what the values say;
