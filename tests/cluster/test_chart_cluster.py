@@ -26,6 +26,7 @@ from cluster_support import (
     helm_install,
 )
 from daedalus_trainer.config import RLTrainingJobStatus, parse_job
+from fake_kuberay import wait_for
 from kubernetes import client
 
 from daedalus_operator import api, resources
@@ -183,6 +184,11 @@ def test_a_verb_removed_from_the_cluster_role_is_reported_as_a_403_condition(
             operator.stop()
     finally:
         jobs.release_finalizers()
+        # No operator runs now, so the job goes at once. Left to the namespace's deletion, it lingered while the
+        # namespace controller worked, and the next test's cluster-wide operator adopted it (finalizer, reconciles
+        # refused in a terminating namespace, status writes that test_operator_cluster's quiet window counted).
+        admin.delete("daedalus.dev/v1alpha1/rltrainingjobs", namespace, "local-tiny")
+        wait_for(lambda: jobs.get("local-tiny") is None, timeout=10, message="the job to go")
         helm(helm_binary, control_plane, "uninstall", name, "--namespace", name)
         with control_plane.api_client() as api_client:
             client.CoreV1Api(api_client).delete_namespace(name)
