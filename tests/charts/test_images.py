@@ -118,6 +118,26 @@ def test_trainer_image_base_user_and_install(trainer: Any) -> None:
     assert "9400" in " ".join(instructions(trainer, "EXPOSE")).split()
 
 
+def test_trainer_image_exposes_the_head_ports_and_runs_as_the_documented_uid(trainer: Any) -> None:
+    """The Ray head container the operator builds (resources.build_raycluster) names its ports; the image documents
+    each with EXPOSE. The uid is the one docs/deploy.md gives the checkpoint directory (chown 10001:10001)."""
+    from daedalus_trainer.config import RLTrainingJobStatus, parse_job
+
+    from daedalus_operator import resources
+    from daedalus_operator.plan import JobView
+    from daedalus_operator.settings import OperatorSettings
+
+    doc = yaml.safe_load((REPO / "examples" / "hyperpod-qwen3vl-8b.yaml").read_text())
+    job = JobView(name="j", namespace="ns", uid="u", generation=1, spec=parse_job(doc).spec,
+                  status=RLTrainingJobStatus())
+    head = resources.build_raycluster(job, OperatorSettings())["spec"]["headGroupSpec"]["template"]["spec"]
+    ports = {str(p["containerPort"]) for p in head["containers"][0]["ports"]}
+    exposed = set(" ".join(instructions(trainer, "EXPOSE")).split())
+    assert ports <= exposed, f"head ports not exposed by Dockerfile.trainer: {sorted(ports - exposed)}"
+    assert non_root_user(trainer) == 10001
+    assert "chown -R 10001:10001" in (REPO / "docs" / "deploy.md").read_text()
+
+
 def test_trainer_pins_agree_with_the_project(trainer: Any) -> None:
     args = trainer.args
     cpu = cpu_pins()
