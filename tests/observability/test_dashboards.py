@@ -147,6 +147,17 @@ def test_a_target_shown_as_a_duration_reads_seconds(dashboard: str, title: str, 
             f"{dashboard} / {title} / {ref} is shown in {unit!r} but reads {sorted(used)}"
 
 
+def test_the_kl_panel_names_the_reference_the_trainer_uses() -> None:
+    """The KL is to the SFT start (daedalus_train_kl's help): with a PEFT sftAdapter, as in the HyperPod example, a
+    frozen copy of that adapter, not the base model the words "adapter disabled" alone would mean."""
+    from daedalus_trainer import metrics
+    (kl,) = [m for m in metrics.METRICS if m.name == "daedalus_train_kl"]
+    assert "reference = the SFT start" in kl.help
+    (panel,) = [p for p in load("training.json")["panels"]
+                if any(metric_names(t["expr"]) == {"daedalus_train_kl"} for t in p["targets"])]
+    assert "reference = the SFT start" in panel["description"], panel["description"]
+
+
 # --- (b) every query against a real Prometheus ---------------------------------------------------------------------
 
 def needs(expr: str) -> str:
