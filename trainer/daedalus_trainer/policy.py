@@ -6,8 +6,9 @@ architecture (:mod:`daedalus_trainer.tiny`) when ``model.tiny`` is set, so that 
 
 The learner's math lives in :meth:`Policy.response_logprobs`: per-token log-probabilities ``log pi(y_t | x, y_<t)``
 of the assistant tokens of a batch of multi-turn, multi-image conversations. The reference policy of the KL term is
-the same weights with the adapter disabled (:meth:`Policy.reference_logprobs`, peft ``disable_adapter()``), so it
-costs no second copy of the model.
+the GRPO start (:meth:`Policy.reference`): the same weights with the adapter disabled (peft ``disable_adapter()``)
+when GRPO starts from a full model (the tiny SFT model), so it costs no second copy of the model; a frozen copy of the
+start adapter when GRPO continues a PEFT ``model.sftAdapter`` (:meth:`Policy.add_reference_adapter`: megabytes).
 
 LoRA (Hu et al. 2021, arXiv:2106.09685) through peft, on language-model modules only: vLLM ignores LoRA on Qwen3-VL's
 vision tower, so a vision target would make the rollout policy differ from the trained one (DESIGN §2).
@@ -283,7 +284,8 @@ class Policy:
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """Context in which the model is the reference policy: the base weights with the adapter disabled.
+        """Context in which the model is the reference policy, the GRPO start: the frozen start adapter when one was
+        added (:meth:`add_reference_adapter`), else the base weights with the adapter disabled.
 
         Raises:
             ValueError: no adapter attached (without one, the policy is its own reference and the KL term is 0 only
@@ -538,7 +540,7 @@ class Policy:
 
     @torch.no_grad()
     def reference_logprobs(self, batch: PolicyBatch, temperature: float = 1.0, share_prefix: bool = True) -> torch.Tensor:
-        """:meth:`response_logprobs` of the reference policy (adapter disabled), without gradients. ``[B, T]``.
+        """:meth:`response_logprobs` of the reference policy (:meth:`reference`), without gradients. ``[B, T]``.
 
         Raises:
             ValueError: no adapter attached.
