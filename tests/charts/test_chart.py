@@ -510,3 +510,24 @@ def test_notes_render(chart: Helm) -> None:
     example = yaml.safe_load((REPO / "examples" / "hyperpod-qwen3vl-8b.yaml").read_text())["metadata"]
     assert f"kubectl -n {example['namespace']} get rltj -w" in notes  # the example's namespace, not the default
     assert f"kubectl -n {example['namespace']} describe rltj {example['name']}" in notes
+
+
+@pytest.mark.parametrize("off, alert", [("serviceMonitor", "DaedalusOperatorDown"),
+                                        ("podMonitor", "DaedalusJobNoProgress")])
+def test_notes_warn_when_an_alert_has_nothing_scraped(chart: Helm, off: str, alert: str) -> None:
+    """With the alerts on and a monitor off, the alert that reads that monitor's metrics fires for ever unless the
+    user scrapes the target another way: the notes say so; with both monitors on they say nothing of it."""
+    values = {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}},
+              "prometheusRule": {"enabled": True}, "operator": {"watchNamespaces": NAMESPACES}}
+    values["metrics"][off]["enabled"] = False
+    values["metrics"]["prometheusNamespaces"] = ["monitoring"]
+
+    def notes(v: dict) -> str:
+        proc = chart.run("install", "rel", str(CHART), "--dry-run=client", "--namespace", "daedalus", values=v)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split("NOTES:", 1)[1]
+
+    warned = [line for line in notes(values).splitlines() if "WARNING" in line]
+    assert len(warned) == 1 and alert in warned[0], warned
+    values["metrics"][off]["enabled"] = True
+    assert "WARNING" not in notes(values)
