@@ -489,3 +489,45 @@ def test_validate_names_the_documents_that_share_a_namespace_and_name(tmp_path, 
             "own name") in out
     assert "document 4 of 4): RLTrainingJob 'e2e' is valid" in out
     assert list(c.duplicate_name_errors([a, other_ns, b, c_])) == [2]
+
+
+def test_a_damaged_model_or_adapter_directory_is_one_line_naming_it(tiny_checkpoint, tmp_path, capsys):
+    """A model directory with config.json whose weights are truncated (a copy cut short) or missing, and an adapter
+    directory whose weights are truncated or missing: `daedalus eval` says which directory and what to do, exit 2.
+    Before, each was a safetensors/transformers traceback, and an adapter without weights made PEFT look its path
+    up on the Hugging Face Hub as a repository name (a network call at run time)."""
+    import shutil
+
+    from daedalus_trainer.policy import load_pretrained
+
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(tiny_job_dict()))
+    truncated = shutil.copytree(tiny_checkpoint, tmp_path / "truncated")
+    with open(truncated / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    no_weights = shutil.copytree(tiny_checkpoint, tmp_path / "no-weights")
+    (no_weights / "model.safetensors").unlink()
+    for model, reason in ((truncated, "Error while deserializing header"), (no_weights, "Error no file named")):
+        assert cli.main(["eval", str(job_file), "--model", str(model), "--greedy-only", "--mazes", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: cannot load the model in {model}: {reason}") and "copy or save it again" in err
+        assert "Traceback" not in err
+
+    policy = load_pretrained(tiny_checkpoint, "float32", "cpu")
+    policy.add_lora(make_tiny_job().spec.lora)
+    adapter = policy.save_adapter(tmp_path / "adapter")
+    bad_adapter = shutil.copytree(adapter, tmp_path / "truncated-adapter")
+    with open(bad_adapter / "adapter_model.safetensors", "r+b") as f:
+        f.truncate(100)
+    assert cli.main(["eval", str(job_file), "--model", str(tiny_checkpoint), "--adapter", str(bad_adapter),
+                     "--greedy-only", "--mazes", "1"]) == 2
+    err = capsys.readouterr().err  # after transformers' "Loading weights" bar of the model
+    assert err.splitlines()[-1].startswith(f"error: cannot load the adapter in {bad_adapter}: Error while deserial")
+    assert "Traceback" not in err
+    (bad_adapter / "adapter_model.safetensors").unlink()
+    from daedalus_trainer.policy import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="has adapter_config.json but no weights"):
+        load_pretrained(tiny_checkpoint, "float32", "cpu").load_adapter(bad_adapter)
+    with pytest.raises(ModelLoadError, match="has adapter_config.json but no weights"):
+        policy.load_adapter(bad_adapter)  # replacing the weights of an attached adapter
