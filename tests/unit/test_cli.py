@@ -84,6 +84,35 @@ def test_run_rejects_a_resume_checkpoint_of_another_adapter_before_sft(tmp_path,
     assert not runs.exists()
 
 
+def test_train_rejects_a_resume_path_before_ray_starts(tmp_path, capsys, monkeypatch):
+    """`daedalus train --resume PATH` with a directory holding no checkpoint, or a checkpoint of another adapter:
+    one `error:` line, exit 2, before Ray starts or the job directory is created (before, Ray, the metrics server
+    and the tiny base model were started first, and the run directory was left behind)."""
+    import ray
+    import torch
+
+    from daedalus_trainer.checkpoint import AdapterState, CheckpointManager, TrainerState, capture_rng_state
+
+    monkeypatch.setenv("DAEDALUS_METRICS_PORT", "0")
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(tiny_job_dict()))
+    out = tmp_path / "train"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["train", "--config", str(job_file), "--out", str(out), "--resume", str(empty)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: resume path {empty} holds no checkpoint (no " \
+        "step-NNNNNN directory)"
+    lora = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+            "task_type": "CAUSAL_LM"}
+    tensors = {"base_model.model.x.lora_A.weight": torch.zeros(4, 8), "base_model.model.x.lora_B.weight": torch.zeros(8, 4)}
+    info = CheckpointManager(tmp_path / "other" / "checkpoints").save(
+        5, AdapterState(tensors, lora), {"state": {}, "param_groups": []},
+        TrainerState(sampler={}, rng=capture_rng_state(), metric_history=[]))
+    assert cli.main(["train", "--config", str(job_file), "--out", str(out), "--resume", str(info.path)]) == 2
+    assert "r: checkpoint 4, this run 16" in capsys.readouterr().err.splitlines()[-1]
+    assert not out.exists() and not ray.is_initialized()
+
+
 def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkeypatch):
     """A file where a directory must go, a port out of range or taken, a malformed environment variable: `error:`
     (or argparse's) one line and exit 2, before the model, Ray or training start; a bad $DAEDALUS_METRICS_PORT does

@@ -33,22 +33,6 @@ from daedalus_trainer.usage import make_dir
 log = logging.getLogger("daedalus.local")
 
 
-def _check_resumed_adapter(job, loaded) -> None:
-    """Refuse, before SFT and Ray start, a ``--resume PATH`` checkpoint whose LoRA adapter is not the one this job
-    trains: the SFT adapter's when ``model.sftAdapter`` is a PEFT adapter, else ``spec.lora``'s
-    (:meth:`daedalus_trainer.grpo.Trainer._expected_adapter`, which checks it again once the start is known).
-
-    Raises:
-        daedalus_trainer.checkpoint.CheckpointError: as :func:`daedalus_trainer.grpo.check_adapter_matches`.
-    """
-    from daedalus_trainer.grpo import check_adapter_matches
-    from daedalus_trainer.policy import is_adapter_dir, read_adapter_config
-
-    sft_adapter = job.spec.model.sft_adapter
-    expected = read_adapter_config(sft_adapter) if sft_adapter and is_adapter_dir(sft_adapter) else job.spec.lora
-    check_adapter_matches(loaded.load_adapter_config(), expected, loaded.path)
-
-
 def _free_port(preferred: int) -> int:
     """``preferred`` if it can be bound on 127.0.0.1, else a free port (0 asks for a free one)."""
     if preferred:
@@ -207,6 +191,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         # checkpoints go aside before SFT starts over, so that an interrupted run is never followed by a `latest`
         # resume of the old timeline on top of a new SFT model.
         from daedalus_trainer.checkpoint import CheckpointError, CheckpointManager
+        from daedalus_trainer.grpo import check_resumed_adapter
 
         try:
             manager = CheckpointManager(run_dir / "checkpoints", keep=job.spec.checkpoint.keep)
@@ -214,7 +199,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
             if loaded is None:
                 manager.abandon_other_timelines(None)
             else:
-                _check_resumed_adapter(job, loaded)
+                check_resumed_adapter(job, loaded)
         except CheckpointError as exc:
             errors.print(f"[red]--resume {resume}: {exc}[/red]")
             return 2
