@@ -168,6 +168,13 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
     assert "no-such-adapter' is neither a PEFT adapter directory" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()  # refused before anything was created
+    (tmp_path / "no-such-adapter" / "adapter_config.json").write_text("{}")  # an adapter, for a real model whose
+    job["spec"]["model"].update({"tiny": False, "path": str(tmp_path / "no-such-model")})  # base is not here
+    job["spec"]["cluster"]["workerGroups"][0]["gpusPerWorker"] = 1
+    job_file.write_text(yaml.safe_dump(job))
+    assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert "no-such-model' holds no Hugging Face checkpoint (config.json)" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
     assert cli.main(["eval", EXAMPLE, "--model", str(tmp_path / "no-such-model")]) == 2
     assert "no-such-model does not exist (expected a model directory" in capsys.readouterr().err
 

@@ -185,6 +185,13 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
             errors.print(f"[red]model.sftAdapter {given!r} is neither a PEFT adapter directory (adapter_config.json) "
                           "nor a model directory (config.json) on this machine[/red]")
             return 2
+        base = job.spec.model.path
+        if is_adapter_dir(given) and not job.spec.model.tiny and not is_checkpoint_dir(base):
+            # the adapter's base model: resolve_base_dir would say so only after the run directory was created
+            errors.print(f"[red]model.path {base!r} holds no Hugging Face checkpoint (config.json) on this machine, "
+                         "and model.sftAdapter is an adapter that needs it as its base model; Daedalus never "
+                         "downloads models at run time: copy the checkpoint there[/red]")
+            return 2
     if resume != "latest":
         # A GRPO checkpoint path is verified now, not after SFT and an evaluation (the trainer moves the checkpoints
         # it will not continue aside once it has accepted it), its adapter included. With `none`, the old run's GRPO
