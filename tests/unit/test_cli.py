@@ -127,6 +127,16 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     assert "--out: cannot create the directory" in capsys.readouterr().err
     assert cli.main(["eval", EXAMPLE, "--model", "m", "--json", str(tmp_path)]) == 2
     assert "is a directory; give the path of the JSON file" in capsys.readouterr().err
+    # --gif and --adapter are checked before the model is loaded (here: before a missing one is noticed); a bad
+    # --gif was a traceback after the whole evaluation, its result lost
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--gif", str(blocker)]) == 2
+    assert capsys.readouterr().err == f"error: --gif {blocker} is a file; give the directory to write the GIFs into\n"
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--gif", str(blocker / "gifs")]) == 2
+    assert f"--gif: cannot create the directory {blocker}/gifs: {blocker} is a file" in capsys.readouterr().err
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--adapter", str(tmp_path / "no-adapter")]) == 2
+    assert "no-adapter does not exist (expected a PEFT adapter directory" in capsys.readouterr().err
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--adapter", str(tmp_path)]) == 2
+    assert f"{tmp_path} is not a PEFT adapter directory (no adapter_config.json)" in capsys.readouterr().err
     job = tiny_job_dict()
     job["spec"]["checkpoint"]["path"] = str(blocker)
     job_file = tmp_path / "job.yaml"

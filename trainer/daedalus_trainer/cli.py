@@ -123,12 +123,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from daedalus_trainer import evaluation
 
     _single_threaded_torch()
-    if args.json:  # before minutes of evaluation, not after
-        from daedalus_trainer.usage import UsageError, make_dir
+    from daedalus_trainer.usage import UsageError, make_dir
 
+    if args.json:  # before minutes of evaluation, not after
         if Path(args.json).is_dir():
             raise UsageError(f"--json {args.json} is a directory; give the path of the JSON file to write")
         make_dir(Path(args.json).parent, "--json")
+    if args.gif:  # likewise: the GIFs are written after the evaluation
+        if Path(args.gif).exists() and not Path(args.gif).is_dir():
+            raise UsageError(f"--gif {args.gif} is a file; give the directory to write the GIFs into")
+        make_dir(args.gif, "--gif")
     report = evaluation.run_eval(
         job, args.model, adapter_path=args.adapter, greedy=True, sampled=not args.greedy_only,
         gif_dir=args.gif, n=args.mazes, split=args.split,
