@@ -40,6 +40,17 @@ def test_eval_mazes_must_be_positive(value, message, capsys):
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_eval_mazes_beyond_the_evaluation_set_are_refused(capsys):
+    """examples/local-tiny.yaml holds 64 evaluation mazes: --mazes 65 was silently 64 (the sets are cut, never
+    extended); now one line before the model loads (here a missing one, not reached), 64 passes the check."""
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--mazes", "65"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --mazes 65 is more than the 64 mazes of the job's evaluation sets (environment.evalMazes); give "
+        "--mazes 64 or fewer, or raise environment.evalMazes (which also holds more layouts out of training)\n")
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--mazes", "64"]) == 2
+    assert capsys.readouterr().err == "error: m does not exist (expected a model directory with config.json)\n"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--size", "20001"], "argument --size: must be 5-63 (environment.size's range), got 20001"),
     (["--cell-px", "100000"], "argument --cell-px: must be 4-128 (environment.cellPixels' range), got 100000"),

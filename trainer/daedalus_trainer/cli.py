@@ -125,6 +125,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     _single_threaded_torch()
     from daedalus_trainer.usage import UsageError, make_dir
 
+    eval_set = job.spec.environment.eval_mazes
+    if args.mazes is not None and args.mazes > eval_set:  # the sets hold evalMazes mazes: silently fewer, before
+        raise UsageError(f"--mazes {args.mazes} is more than the {eval_set} mazes of the job's evaluation sets "
+                         f"(environment.evalMazes); give --mazes {eval_set} or fewer, or raise environment.evalMazes "
+                         "(which also holds more layouts out of training)")
     if args.json:  # before minutes of evaluation, not after
         if Path(args.json).is_dir():
             raise UsageError(f"--json {args.json} is a directory; give the path of the JSON file to write")
@@ -291,8 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True, help="model directory (a full checkpoint, e.g. runs/<name>/sft/model)")
     s.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory")
     s.add_argument("--mazes", type=_positive_int, default=None,
-                   help="evaluate on the first N mazes of the set (held-out: N layouts, each played from "
-                        "environment.evalCorners start/goal corner pairs; default: all environment.evalMazes)")
+                   help="evaluate on the first N mazes of the set, N <= environment.evalMazes (held-out: N layouts, "
+                        "each played from environment.evalCorners start/goal corner pairs; default: all "
+                        "environment.evalMazes)")
     s.add_argument("--split", choices=("held-out", "training"), default="held-out",
                    help="held-out: the evaluation layouts, excluded from training (default); training: as many mazes "
                         "on layouts training draws from (what training learned where it trained)")
