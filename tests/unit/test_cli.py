@@ -343,6 +343,19 @@ def test_messages_name_the_value_and_the_rule():
         assert messages and rule in messages[0] and shown in messages[0], info.value.errors
 
 
+def test_a_large_or_alias_nested_value_is_shown_cut_short(tmp_path, capsys):
+    """A list where a string or number belongs is shown by its first items: YAML aliases nesting 9^6 strings (a
+    "billion laughs" of depth 6; depth 9 made `daedalus validate` run for minutes) printed megabytes before."""
+    levels = ["    l0: &l0 [" + ", ".join(["x"] * 9) + "]"]
+    levels += [f"    l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 6)]
+    bomb = _write(tmp_path, "apiVersion: daedalus.dev/v1alpha1\nkind: RLTrainingJob\nmetadata:\n  name: a\n"
+                            "  labels:\n" + "\n".join(levels) + "\nspec:\n  algorithm: {steps: *l5}\n")
+    assert cli.main(["validate", str(bomb)]) == 1
+    out = capsys.readouterr().out
+    assert len(out) < 3000 and "spec.algorithm.steps: Input should be a valid integer (got [[[...], " in out
+    assert "metadata.labels: the value of 'l0' must be a string; got the list ['x', 'x', 'x', 'x', ...]" in out
+
+
 def test_an_empty_list_holds_no_job(tmp_path, capsys):
     """`kubectl get rltj -A -o yaml` where there are no jobs: validate says so (exit 0: nothing is invalid), a
     command that needs a job refuses it."""
