@@ -136,6 +136,13 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     assert f"--runs-dir: cannot create the directory {blocker}/local-tiny: {blocker} is a file" in capsys.readouterr().err
     assert cli.main(["sft", EXAMPLE, "--out", str(blocker / "sft")]) == 2
     assert "--out: cannot create the directory" in capsys.readouterr().err
+    crd = tmp_path / "crd.yaml"
+    assert cli.main(["crd", "--out", str(crd), "--out", str(blocker / "crd.yaml")]) == 2  # was a traceback
+    assert capsys.readouterr().err == (f"error: --out: cannot create the directory {blocker}: {blocker} is a file, "
+                                       "not a directory\n")
+    assert not crd.exists()  # nothing written when one --out is bad
+    assert cli.main(["crd", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: --out {tmp_path} is a directory; give the path of the file to write\n"
     assert cli.main(["eval", EXAMPLE, "--model", "m", "--json", str(tmp_path)]) == 2
     assert "is a directory; give the path of the JSON file" in capsys.readouterr().err
     # --gif and --adapter are checked before the model is loaded (here: before a missing one is noticed); a bad

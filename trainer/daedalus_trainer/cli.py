@@ -28,9 +28,17 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
     text = render()
     if args.out:
+        from daedalus_trainer.usage import UsageError, make_dir
+
+        for out in args.out:  # every path first: a bad second --out leaves no first file rewritten
+            if Path(out).is_dir():
+                raise UsageError(f"--out {out} is a directory; give the path of the file to write")
+            make_dir(Path(out).parent, "--out")
         for out in args.out:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(text)
+            try:
+                Path(out).write_text(text)
+            except OSError as exc:  # permissions, a read-only or full file system
+                raise UsageError(f"--out: cannot write {out}: {exc.strerror or exc}") from None
     else:
         sys.stdout.write(text)
     return 0
