@@ -191,7 +191,20 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     job["spec"]["model"]["sftAdapter"] = str(tmp_path / "no-such-adapter")
     job_file.write_text(yaml.safe_dump(job))
     assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
-    assert "no-such-adapter' does not exist on this machine" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"error: model.sftAdapter '{tmp_path}/no-such-adapter' does not exist on this " \
+        "machine\n"
+    # a path with brackets is printed as written: rich read "[/y]" as a closing tag (MarkupError traceback)
+    job["spec"]["model"]["sftAdapter"] = "x[/y]"
+    job_file.write_text(yaml.safe_dump(job))
+    assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err == "error: model.sftAdapter 'x[/y]' does not exist on this machine\n"
+    odd = tmp_path / "ck[/x]"
+    odd.mkdir(parents=True)
+    assert cli.main(["run", EXAMPLE, "--runs-dir", str(tmp_path / "runs"), "--resume", str(odd)]) == 2
+    assert capsys.readouterr().err == f"error: --resume {odd}: resume path {odd} holds no checkpoint (no " \
+        "step-NNNNNN directory)\n"
+    job["spec"]["model"]["sftAdapter"] = str(tmp_path / "no-such-adapter")
+    job_file.write_text(yaml.safe_dump(job))
     (tmp_path / "no-such-adapter").mkdir()  # a directory, but neither an adapter nor a model
     assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
     assert "no-such-adapter' is neither a PEFT adapter directory" in capsys.readouterr().err

@@ -156,6 +156,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         daedalus_trainer.config.SpecError: the YAML is invalid (every error with its field path).
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from daedalus_trainer.config import load_job
@@ -171,27 +172,30 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     transformers.utils.logging.set_verbosity_error()
     console, errors = Console(), Console(stderr=True, soft_wrap=True, highlight=False)
     run_dir = Path(runs_dir) / job.metadata.name
-    if not job.spec.model.sft_adapter and not job.spec.model.tiny:
-        errors.print("[red]model.sftAdapter is required for a non-tiny model[/red]")
+
+    def refuse(message: str) -> int:
+        """One ``error:`` line, as the other commands print theirs (paths are shown literally, brackets too)."""
+        errors.print(f"[red]error: {escape(message)}[/red]")
         return 2
+
+    if not job.spec.model.sft_adapter and not job.spec.model.tiny:
+        return refuse("model.sftAdapter is required for a non-tiny model: daedalus run trains an SFT starting point "
+                      "itself only for model.tiny; give the PEFT adapter or model directory of a supervised start")
     given = job.spec.model.sft_adapter
     if given:  # checked before anything is created under --runs-dir
         from daedalus_trainer.policy import is_adapter_dir, is_checkpoint_dir
 
         if not Path(given).exists():
-            errors.print(f"[red]model.sftAdapter {given!r} does not exist on this machine[/red]")
-            return 2
+            return refuse(f"model.sftAdapter {given!r} does not exist on this machine")
         if not (is_adapter_dir(given) or is_checkpoint_dir(given)):
-            errors.print(f"[red]model.sftAdapter {given!r} is neither a PEFT adapter directory (adapter_config.json) "
-                          "nor a model directory (config.json) on this machine[/red]")
-            return 2
+            return refuse(f"model.sftAdapter {given!r} is neither a PEFT adapter directory (adapter_config.json) "
+                          "nor a model directory (config.json) on this machine")
         base = job.spec.model.path
         if is_adapter_dir(given) and not job.spec.model.tiny and not is_checkpoint_dir(base):
             # the adapter's base model: resolve_base_dir would say so only after the run directory was created
-            errors.print(f"[red]model.path {base!r} holds no Hugging Face checkpoint (config.json) on this machine, "
-                         "and model.sftAdapter is an adapter that needs it as its base model; Daedalus never "
-                         "downloads models at run time: copy the checkpoint there[/red]")
-            return 2
+            return refuse(f"model.path {base!r} holds no Hugging Face checkpoint (config.json) on this machine, "
+                          "and model.sftAdapter is an adapter that needs it as its base model; Daedalus never "
+                          "downloads models at run time: copy the checkpoint there")
     if resume != "latest":
         # A GRPO checkpoint path is verified now, not after SFT and an evaluation (the trainer moves the checkpoints
         # it will not continue aside once it has accepted it), its adapter included. With `none`, the old run's GRPO
@@ -208,10 +212,10 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
             else:
                 check_resumed_adapter(job, loaded)
         except CheckpointError as exc:
-            errors.print(f"[red]--resume {resume}: {exc}[/red]")
-            return 2
+            return refuse(f"--resume {resume}: {exc}")
     make_dir(run_dir, "--runs-dir")
-    console.print(f"[bold]daedalus run[/bold] {job_path}: job [cyan]{job.metadata.name}[/cyan] -> {run_dir}/ "
+    console.print(f"[bold]daedalus run[/bold] {escape(str(job_path))}: job [cyan]{job.metadata.name}[/cyan] -> "
+                  f"{escape(str(run_dir))}/ "
                   "(local mode: spec.cluster is ignored)")
 
     import torch
@@ -317,8 +321,8 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                       f"bootstrap over {pairs}); {gain['fixed']} episodes fixed, {gain['broken']} broken")
     console.print(f"GRPO steps: {report['steps']} in {report['grpo_wall_seconds']:.0f} s  "
                   f"whole run: {report['wall_seconds']:.0f} s  "
-                  f"adapter: {_shown(result.adapter_dir)}  curves: {_shown(curves)}  "
-                  f"report: {_shown(run_dir / 'report.json')}")
+                  f"adapter: {escape(_shown(result.adapter_dir))}  curves: {escape(_shown(curves))}  "
+                  f"report: {escape(_shown(run_dir / 'report.json'))}")
     return 0
 
 
