@@ -40,6 +40,27 @@ def test_eval_mazes_must_be_positive(value, message, capsys):
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_eval_names_the_directory_meant_when_given_its_parent_or_an_adapter_as_model(tmp_path, capsys):
+    """`daedalus eval --model runs/<name>/exports/adapter` (an adapter as the model), `--model runs/<name>/sft` (the
+    model's parent) and `--adapter runs/<name>/checkpoints/step-N` (a checkpoint holding the adapter): one line
+    saying what to give instead, before anything loads. Before: 'holds no Hugging Face checkpoint (config.json)' /
+    'is not a PEFT adapter directory', which did not say where the right directory is."""
+    sft_dir, step = tmp_path / "sft", tmp_path / "step-000005"
+    (sft_dir / "model").mkdir(parents=True)
+    (sft_dir / "model" / "config.json").write_text("{}")
+    (step / "adapter").mkdir(parents=True)
+    (step / "adapter" / "adapter_config.json").write_text("{}")
+    assert cli.main(["eval", EXAMPLE, "--model", str(step / "adapter")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --model {step}/adapter is a PEFT adapter (adapter_config.json), "
+                                              f"not a model: give it as --adapter {step}/adapter, with its base model")
+    assert cli.main(["eval", EXAMPLE, "--model", str(sft_dir)]) == 2
+    assert capsys.readouterr().err == f"error: --model {sft_dir} holds no config.json; its model is --model " \
+        f"{sft_dir}/model\n"
+    assert cli.main(["eval", EXAMPLE, "--model", str(sft_dir / "model"), "--adapter", str(step)]) == 2
+    assert capsys.readouterr().err == f"error: --adapter {step} holds no adapter_config.json; its adapter is " \
+        f"--adapter {step}/adapter\n"
+
+
 def test_eval_mazes_beyond_the_evaluation_set_are_refused(capsys):
     """examples/local-tiny.yaml holds 64 evaluation mazes: --mazes 65 was silently 64 (the sets are cut, never
     extended); now one line before the model loads (here a missing one, not reached), 64 passes the check."""

@@ -126,6 +126,30 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_eval_dirs(model: str, adapter: str | None) -> None:
+    """Refuse the ``daedalus eval`` directories that are the wrong kind where the right one is at hand: a PEFT adapter
+    given as ``--model``, or a directory whose ``model/`` (``--model``) or ``adapter/`` (``--adapter``) subdirectory
+    is what was meant (``runs/<name>/sft``, a GRPO checkpoint ``step-NNNNNN`` or ``runs/<name>/exports``). Anything
+    else is left to the loaders' own messages.
+
+    Raises:
+        daedalus_trainer.usage.UsageError: naming the directory and what to give instead.
+    """
+    from daedalus_trainer.policy import is_adapter_dir, is_checkpoint_dir
+    from daedalus_trainer.usage import UsageError
+
+    if Path(model).is_dir() and not is_checkpoint_dir(model):
+        if is_adapter_dir(model):
+            raise UsageError(f"--model {model} is a PEFT adapter (adapter_config.json), not a model: give it as "
+                             f"--adapter {model}, with its base model as --model (for a local run: "
+                             "runs/<name>/sft/model)")
+        if is_checkpoint_dir(Path(model) / "model"):
+            raise UsageError(f"--model {model} holds no config.json; its model is --model {Path(model) / 'model'}")
+    inner = Path(adapter) / "adapter" if adapter else None
+    if adapter and Path(adapter).is_dir() and not is_adapter_dir(adapter) and is_adapter_dir(inner):
+        raise UsageError(f"--adapter {adapter} holds no adapter_config.json; its adapter is --adapter {inner}")
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     job = _load(args.config)  # a typo in the YAML is reported before seconds of imports
     from daedalus_trainer import evaluation
@@ -138,6 +162,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--mazes {args.mazes} is more than the {eval_set} mazes of the job's evaluation sets "
                          f"(environment.evalMazes); give --mazes {eval_set} or fewer, or raise environment.evalMazes "
                          "(which also holds more layouts out of training)")
+    _check_eval_dirs(args.model, args.adapter)
     if args.json:  # before minutes of evaluation, not after
         if Path(args.json).is_dir():
             raise UsageError(f"--json {args.json} is a directory; give the path of the JSON file to write")
