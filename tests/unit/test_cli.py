@@ -172,6 +172,12 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     assert capsys.readouterr().err == f"error: --gif {blocker} is a file; give the directory to write the GIFs into\n"
     assert cli.main(["eval", EXAMPLE, "--model", "m", "--gif", str(blocker / "gifs")]) == 2
     assert f"--gif: cannot create the directory {blocker}/gifs: {blocker} is a file" in capsys.readouterr().err
+    ascii_job = tiny_job_dict(environment={"observation": "ascii"})
+    (tmp_path / "ascii.yaml").write_text(yaml.safe_dump(ascii_job))
+    assert cli.main(["eval", str(tmp_path / "ascii.yaml"), "--model", "m", "--gif", str(tmp_path / "gifs")]) == 2
+    assert capsys.readouterr().err == ("error: --gif: the job's environment.observation is 'ascii': its episodes "
+                                       "have no images to draw GIFs from (use 'image' or 'image+ascii')\n")
+    assert not (tmp_path / "gifs").exists()  # was: the evaluation, then no GIF and no word about it
     assert cli.main(["eval", EXAMPLE, "--model", "m", "--adapter", str(tmp_path / "no-adapter")]) == 2
     assert "no-adapter does not exist (expected a PEFT adapter directory" in capsys.readouterr().err
     assert cli.main(["eval", EXAMPLE, "--model", "m", "--adapter", str(tmp_path)]) == 2

@@ -168,6 +168,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             raise UsageError(f"--json {args.json} is a directory; give the path of the JSON file to write")
         make_dir(Path(args.json).parent, "--json")
     if args.gif:  # likewise: the GIFs are written after the evaluation
+        if "image" not in job.spec.environment.observation:  # they are drawn from the episodes' images
+            raise UsageError(f"--gif: the job's environment.observation is {job.spec.environment.observation!r}: "
+                             "its episodes have no images to draw GIFs from (use 'image' or 'image+ascii')")
         if Path(args.gif).exists() and not Path(args.gif).is_dir():
             raise UsageError(f"--gif {args.gif} is a file; give the directory to write the GIFs into")
         make_dir(args.gif, "--gif")
@@ -337,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "on layouts training draws from (what training learned where it trained)")
     s.add_argument("--greedy-only", action="store_true", help="skip sampled evaluation")
     s.add_argument("--json", default=None, help="write the report as JSON to this file (parent directories created)")
-    s.add_argument("--gif", default=None, help="write animated GIFs of some episodes to this directory")
+    s.add_argument("--gif", default=None, help="write animated GIFs of some greedy episodes to this directory (half "
+                                                "successes, half failures; needs image observations)")
     s.set_defaults(func=_cmd_eval)
 
     s = sub.add_parser("validate", help="validate RLTrainingJob files (every error with its field path)",
