@@ -220,6 +220,9 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
     assert capsys.readouterr().err == f"error: model.sftAdapter '{tmp_path}/no-such-adapter' does not exist on this " \
         "machine\n"
+    assert cli.main(["sft", str(job_file), "--out", str(tmp_path / "sft")]) == 2  # was "is neither a model ..."
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: model.sftAdapter '{tmp_path}/no-such-adapter' does " \
+        "not exist on this machine"
     # a path with brackets is printed as written: rich read "[/y]" as a closing tag (MarkupError traceback)
     job["spec"]["model"]["sftAdapter"] = "x[/y]"
     job_file.write_text(yaml.safe_dump(job))

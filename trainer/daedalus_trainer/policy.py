@@ -825,8 +825,11 @@ def load_policy(
     """
     sft = getattr(model_spec, "sft_adapter", None)
     dtype = getattr(model_spec, "dtype", "float32")
+    if sft and not Path(sft).exists():
+        raise FileNotFoundError(f"model.sftAdapter {sft!r} does not exist on this machine")
     if sft and not (is_checkpoint_dir(sft) or is_adapter_dir(sft)):
-        raise FileNotFoundError(f"model.sftAdapter {sft!r} is neither a model directory nor a PEFT adapter directory")
+        raise FileNotFoundError(f"model.sftAdapter {sft!r} is neither a model directory (config.json) nor a PEFT "
+                                "adapter directory (adapter_config.json)")
     base_dir = Path(sft) if is_checkpoint_dir(sft) else resolve_base_dir(model_spec, work_dir)
     policy = load_pretrained(base_dir, dtype, device)
     if sft and is_adapter_dir(sft):
