@@ -380,6 +380,10 @@ def test_messages_name_the_value_and_the_rule():
          "(got 'linear')"),
         (("spec", "algorithm", "groupSize"), "eight", "spec.algorithm.groupSize", "valid integer", "(got 'eight')"),
         (("spec", "algorithm", "groupSize"), 1, "spec.algorithm.groupSize", "greater than or equal to 2", "(got 1)"),
+        # `name: no` in YAML: was "(got the number False: quote it)"
+        (("metadata", "name"), False, "metadata.name", "valid string", "(got the boolean false: quote it; YAML reads "
+         "unquoted yes, no, on, off, true and false as booleans)"),
+        (("spec", "model", "name"), 7, "spec.model.name", "valid string", "(got the number 7: quote it)"),
     ]
     for where, value, path, rule, shown in cases:
         job = tiny_job_dict()

@@ -1027,6 +1027,9 @@ def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
             msg = f"must be a Kubernetes quantity such as \"4\", \"500m\" or \"16Gi\"; got {err['input']!r}"
         elif err["type"] == "string_too_long" and isinstance(err.get("input"), str):
             msg += f" (got {err['input']!r}, {len(err['input'])} characters)"
+        elif err["type"] == "string_type" and isinstance(err.get("input"), bool):  # before int: bool is one
+            msg += (f" (got the boolean {str(err['input']).lower()}: quote it; YAML reads unquoted yes, no, on, off, "
+                    "true and false as booleans)")
         elif err["type"] == "string_type" and isinstance(err.get("input"), (int, float)):
             msg += f" (got the number {err['input']!r}: quote it)"
         elif err["type"] in ("float_type", "bool_type", "int_type") and _unquoted(err.get("input")) is not None:
