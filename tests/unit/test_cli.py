@@ -40,6 +40,38 @@ def test_eval_mazes_must_be_positive(value, message, capsys):
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_eval_names_the_directory_meant_when_given_its_parent_or_an_adapter_as_model(tmp_path, capsys):
+    """`daedalus eval --model runs/<name>/exports/adapter` (an adapter as the model), `--model runs/<name>/sft` (the
+    model's parent) and `--adapter runs/<name>/checkpoints/step-N` (a checkpoint holding the adapter): one line
+    saying what to give instead, before anything loads. Before: 'holds no Hugging Face checkpoint (config.json)' /
+    'is not a PEFT adapter directory', which did not say where the right directory is."""
+    sft_dir, step = tmp_path / "sft", tmp_path / "step-000005"
+    (sft_dir / "model").mkdir(parents=True)
+    (sft_dir / "model" / "config.json").write_text("{}")
+    (step / "adapter").mkdir(parents=True)
+    (step / "adapter" / "adapter_config.json").write_text("{}")
+    assert cli.main(["eval", EXAMPLE, "--model", str(step / "adapter")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --model {step}/adapter is a PEFT adapter (adapter_config.json), "
+                                              f"not a model: give it as --adapter {step}/adapter, with its base model")
+    assert cli.main(["eval", EXAMPLE, "--model", str(sft_dir)]) == 2
+    assert capsys.readouterr().err == f"error: --model {sft_dir} holds no config.json; its model is --model " \
+        f"{sft_dir}/model\n"
+    assert cli.main(["eval", EXAMPLE, "--model", str(sft_dir / "model"), "--adapter", str(step)]) == 2
+    assert capsys.readouterr().err == f"error: --adapter {step} holds no adapter_config.json; its adapter is " \
+        f"--adapter {step}/adapter\n"
+
+
+def test_eval_mazes_beyond_the_evaluation_set_are_refused(capsys):
+    """examples/local-tiny.yaml holds 64 evaluation mazes: --mazes 65 was silently 64 (the sets are cut, never
+    extended); now one line before the model loads (here a missing one, not reached), 64 passes the check."""
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--mazes", "65"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --mazes 65 is more than the 64 mazes of the job's evaluation sets (environment.evalMazes); give "
+        "--mazes 64 or fewer, or raise environment.evalMazes (which also holds more layouts out of training)\n")
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--mazes", "64"]) == 2
+    assert capsys.readouterr().err == "error: m does not exist (expected a model directory with config.json)\n"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--size", "20001"], "argument --size: must be 5-63 (environment.size's range), got 20001"),
     (["--cell-px", "100000"], "argument --cell-px: must be 4-128 (environment.cellPixels' range), got 100000"),
@@ -84,6 +116,35 @@ def test_run_rejects_a_resume_checkpoint_of_another_adapter_before_sft(tmp_path,
     assert not runs.exists()
 
 
+def test_train_rejects_a_resume_path_before_ray_starts(tmp_path, capsys, monkeypatch):
+    """`daedalus train --resume PATH` with a directory holding no checkpoint, or a checkpoint of another adapter:
+    one `error:` line, exit 2, before Ray starts or the job directory is created (before, Ray, the metrics server
+    and the tiny base model were started first, and the run directory was left behind)."""
+    import ray
+    import torch
+
+    from daedalus_trainer.checkpoint import AdapterState, CheckpointManager, TrainerState, capture_rng_state
+
+    monkeypatch.setenv("DAEDALUS_METRICS_PORT", "0")
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(tiny_job_dict()))
+    out = tmp_path / "train"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["train", "--config", str(job_file), "--out", str(out), "--resume", str(empty)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: resume path {empty} holds no checkpoint (no " \
+        "step-NNNNNN directory)"
+    lora = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+            "task_type": "CAUSAL_LM"}
+    tensors = {"base_model.model.x.lora_A.weight": torch.zeros(4, 8), "base_model.model.x.lora_B.weight": torch.zeros(8, 4)}
+    info = CheckpointManager(tmp_path / "other" / "checkpoints").save(
+        5, AdapterState(tensors, lora), {"state": {}, "param_groups": []},
+        TrainerState(sampler={}, rng=capture_rng_state(), metric_history=[]))
+    assert cli.main(["train", "--config", str(job_file), "--out", str(out), "--resume", str(info.path)]) == 2
+    assert "r: checkpoint 4, this run 16" in capsys.readouterr().err.splitlines()[-1]
+    assert not out.exists() and not ray.is_initialized()
+
+
 def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkeypatch):
     """A file where a directory must go, a port out of range or taken, a malformed environment variable: `error:`
     (or argparse's) one line and exit 2, before the model, Ray or training start; a bad $DAEDALUS_METRICS_PORT does
@@ -96,8 +157,31 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     assert f"--runs-dir: cannot create the directory {blocker}/local-tiny: {blocker} is a file" in capsys.readouterr().err
     assert cli.main(["sft", EXAMPLE, "--out", str(blocker / "sft")]) == 2
     assert "--out: cannot create the directory" in capsys.readouterr().err
+    crd = tmp_path / "crd.yaml"
+    assert cli.main(["crd", "--out", str(crd), "--out", str(blocker / "crd.yaml")]) == 2  # was a traceback
+    assert capsys.readouterr().err == (f"error: --out: cannot create the directory {blocker}: {blocker} is a file, "
+                                       "not a directory\n")
+    assert not crd.exists()  # nothing written when one --out is bad
+    assert cli.main(["crd", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: --out {tmp_path} is a directory; give the path of the file to write\n"
     assert cli.main(["eval", EXAMPLE, "--model", "m", "--json", str(tmp_path)]) == 2
     assert "is a directory; give the path of the JSON file" in capsys.readouterr().err
+    # --gif and --adapter are checked before the model is loaded (here: before a missing one is noticed); a bad
+    # --gif was a traceback after the whole evaluation, its result lost
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--gif", str(blocker)]) == 2
+    assert capsys.readouterr().err == f"error: --gif {blocker} is a file; give the directory to write the GIFs into\n"
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--gif", str(blocker / "gifs")]) == 2
+    assert f"--gif: cannot create the directory {blocker}/gifs: {blocker} is a file" in capsys.readouterr().err
+    ascii_job = tiny_job_dict(environment={"observation": "ascii"})
+    (tmp_path / "ascii.yaml").write_text(yaml.safe_dump(ascii_job))
+    assert cli.main(["eval", str(tmp_path / "ascii.yaml"), "--model", "m", "--gif", str(tmp_path / "gifs")]) == 2
+    assert capsys.readouterr().err == ("error: --gif: the job's environment.observation is 'ascii': its episodes "
+                                       "have no images to draw GIFs from (use 'image' or 'image+ascii')\n")
+    assert not (tmp_path / "gifs").exists()  # was: the evaluation, then no GIF and no word about it
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--adapter", str(tmp_path / "no-adapter")]) == 2
+    assert "no-adapter does not exist (expected a PEFT adapter directory" in capsys.readouterr().err
+    assert cli.main(["eval", EXAMPLE, "--model", "m", "--adapter", str(tmp_path)]) == 2
+    assert f"{tmp_path} is not a PEFT adapter directory (no adapter_config.json)" in capsys.readouterr().err
     job = tiny_job_dict()
     job["spec"]["checkpoint"]["path"] = str(blocker)
     job_file = tmp_path / "job.yaml"
@@ -134,11 +218,34 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     job["spec"]["model"]["sftAdapter"] = str(tmp_path / "no-such-adapter")
     job_file.write_text(yaml.safe_dump(job))
     assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
-    assert "no-such-adapter' does not exist on this machine" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"error: model.sftAdapter '{tmp_path}/no-such-adapter' does not exist on this " \
+        "machine\n"
+    assert cli.main(["sft", str(job_file), "--out", str(tmp_path / "sft")]) == 2  # was "is neither a model ..."
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: model.sftAdapter '{tmp_path}/no-such-adapter' does " \
+        "not exist on this machine"
+    # a path with brackets is printed as written: rich read "[/y]" as a closing tag (MarkupError traceback)
+    job["spec"]["model"]["sftAdapter"] = "x[/y]"
+    job_file.write_text(yaml.safe_dump(job))
+    assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err == "error: model.sftAdapter 'x[/y]' does not exist on this machine\n"
+    odd = tmp_path / "ck[/x]"
+    odd.mkdir(parents=True)
+    assert cli.main(["run", EXAMPLE, "--runs-dir", str(tmp_path / "runs"), "--resume", str(odd)]) == 2
+    assert capsys.readouterr().err == f"error: --resume {odd}: resume path {odd} holds no checkpoint (no " \
+        "step-NNNNNN directory)\n"
+    job["spec"]["model"]["sftAdapter"] = str(tmp_path / "no-such-adapter")
+    job_file.write_text(yaml.safe_dump(job))
     (tmp_path / "no-such-adapter").mkdir()  # a directory, but neither an adapter nor a model
     assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
     assert "no-such-adapter' is neither a PEFT adapter directory" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()  # refused before anything was created
+    (tmp_path / "no-such-adapter" / "adapter_config.json").write_text("{}")  # an adapter, for a real model whose
+    job["spec"]["model"].update({"tiny": False, "path": str(tmp_path / "no-such-model")})  # base is not here
+    job["spec"]["cluster"]["workerGroups"][0]["gpusPerWorker"] = 1
+    job_file.write_text(yaml.safe_dump(job))
+    assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert "no-such-model' holds no Hugging Face checkpoint (config.json)" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
     assert cli.main(["eval", EXAMPLE, "--model", str(tmp_path / "no-such-model")]) == 2
     assert "no-such-model does not exist (expected a model directory" in capsys.readouterr().err
 
@@ -273,6 +380,10 @@ def test_messages_name_the_value_and_the_rule():
          "(got 'linear')"),
         (("spec", "algorithm", "groupSize"), "eight", "spec.algorithm.groupSize", "valid integer", "(got 'eight')"),
         (("spec", "algorithm", "groupSize"), 1, "spec.algorithm.groupSize", "greater than or equal to 2", "(got 1)"),
+        # `name: no` in YAML: was "(got the number False: quote it)"
+        (("metadata", "name"), False, "metadata.name", "valid string", "(got the boolean false: quote it; YAML reads "
+         "unquoted yes, no, on, off, true and false as booleans)"),
+        (("spec", "model", "name"), 7, "spec.model.name", "valid string", "(got the number 7: quote it)"),
     ]
     for where, value, path, rule, shown in cases:
         job = tiny_job_dict()
@@ -284,6 +395,19 @@ def test_messages_name_the_value_and_the_rule():
             c.parse_job(job)
         messages = [m for p, m in info.value.errors if p == path]
         assert messages and rule in messages[0] and shown in messages[0], info.value.errors
+
+
+def test_a_large_or_alias_nested_value_is_shown_cut_short(tmp_path, capsys):
+    """A list where a string or number belongs is shown by its first items: YAML aliases nesting 9^6 strings (a
+    "billion laughs" of depth 6; depth 9 made `daedalus validate` run for minutes) printed megabytes before."""
+    levels = ["    l0: &l0 [" + ", ".join(["x"] * 9) + "]"]
+    levels += [f"    l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 6)]
+    bomb = _write(tmp_path, "apiVersion: daedalus.dev/v1alpha1\nkind: RLTrainingJob\nmetadata:\n  name: a\n"
+                            "  labels:\n" + "\n".join(levels) + "\nspec:\n  algorithm: {steps: *l5}\n")
+    assert cli.main(["validate", str(bomb)]) == 1
+    out = capsys.readouterr().out
+    assert len(out) < 3000 and "spec.algorithm.steps: Input should be a valid integer (got [[[...], " in out
+    assert "metadata.labels: the value of 'l0' must be a string; got the list ['x', 'x', 'x', 'x', ...]" in out
 
 
 def test_an_empty_list_holds_no_job(tmp_path, capsys):
@@ -489,3 +613,45 @@ def test_validate_names_the_documents_that_share_a_namespace_and_name(tmp_path, 
             "own name") in out
     assert "document 4 of 4): RLTrainingJob 'e2e' is valid" in out
     assert list(c.duplicate_name_errors([a, other_ns, b, c_])) == [2]
+
+
+def test_a_damaged_model_or_adapter_directory_is_one_line_naming_it(tiny_checkpoint, tmp_path, capsys):
+    """A model directory with config.json whose weights are truncated (a copy cut short) or missing, and an adapter
+    directory whose weights are truncated or missing: `daedalus eval` says which directory and what to do, exit 2.
+    Before, each was a safetensors/transformers traceback, and an adapter without weights made PEFT look its path
+    up on the Hugging Face Hub as a repository name (a network call at run time)."""
+    import shutil
+
+    from daedalus_trainer.policy import load_pretrained
+
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(tiny_job_dict()))
+    truncated = shutil.copytree(tiny_checkpoint, tmp_path / "truncated")
+    with open(truncated / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    no_weights = shutil.copytree(tiny_checkpoint, tmp_path / "no-weights")
+    (no_weights / "model.safetensors").unlink()
+    for model, reason in ((truncated, "Error while deserializing header"), (no_weights, "Error no file named")):
+        assert cli.main(["eval", str(job_file), "--model", str(model), "--greedy-only", "--mazes", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: cannot load the model in {model}: {reason}") and "copy or save it again" in err
+        assert "Traceback" not in err
+
+    policy = load_pretrained(tiny_checkpoint, "float32", "cpu")
+    policy.add_lora(make_tiny_job().spec.lora)
+    adapter = policy.save_adapter(tmp_path / "adapter")
+    bad_adapter = shutil.copytree(adapter, tmp_path / "truncated-adapter")
+    with open(bad_adapter / "adapter_model.safetensors", "r+b") as f:
+        f.truncate(100)
+    assert cli.main(["eval", str(job_file), "--model", str(tiny_checkpoint), "--adapter", str(bad_adapter),
+                     "--greedy-only", "--mazes", "1"]) == 2
+    err = capsys.readouterr().err  # after transformers' "Loading weights" bar of the model
+    assert err.splitlines()[-1].startswith(f"error: cannot load the adapter in {bad_adapter}: Error while deserial")
+    assert "Traceback" not in err
+    (bad_adapter / "adapter_model.safetensors").unlink()
+    from daedalus_trainer.policy import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="has adapter_config.json but no weights"):
+        load_pretrained(tiny_checkpoint, "float32", "cpu").load_adapter(bad_adapter)
+    with pytest.raises(ModelLoadError, match="has adapter_config.json but no weights"):
+        policy.load_adapter(bad_adapter)  # replacing the weights of an attached adapter

@@ -586,7 +586,16 @@ def test_cli_main_other_format_and_errors(tmp_path, capsys) -> None:
     assert "odd" in capsys.readouterr().err
     assert maze_cli.run(9, -1, None) == 2
     assert maze_cli.run(9, 1, None, cell_px=1) == 2
+    capsys.readouterr()
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    assert maze_cli.run(9, 1, str(blocker / "maze.png")) == 1
-    assert "cannot write" in capsys.readouterr().err
+    # bad --out: one line, exit 2 (`daedalus --help`: bad input), before the maze is printed; before, exit 1 (which
+    # the help keeps for failures printed with a traceback), after the map, and "[Errno 17] File exists: '...file'"
+    assert maze_cli.run(9, 1, str(blocker / "maze.png")) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"daedalus maze: --out: cannot create the directory {blocker}: {blocker} is a file, not a directory\n")
+    assert maze_cli.run(9, 1, str(tmp_path)) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"daedalus maze: --out {tmp_path} is a directory; give the path of the PNG file to write\n")

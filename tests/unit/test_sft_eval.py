@@ -189,6 +189,53 @@ def test_sft_refuses_a_run_that_other_settings_started(tmp_path):
     sft.run_sft(_short_job(None, 2), out, resume=False, **fast)
 
 
+def test_a_damaged_sft_checkpoint_is_one_error_naming_the_file_and_the_way_on(tmp_path, capsys):
+    """An SFT checkpoint whose optimizer state is cut short, whose state.json does not parse, or whose weights are
+    truncated: continuing (a raised budget) fails with a CheckpointError naming the checkpoint, the file and how to
+    train again, and `daedalus sft` prints it as one line (exit 2). Before, each was a torch, json or safetensors
+    traceback; starting over (resume=False) still works."""
+    import yaml
+
+    from daedalus_trainer import cli
+    from daedalus_trainer.checkpoint import CheckpointError
+
+    fast = {"progress": False, "accuracy_turns": 4, "final_eval": False}
+    out = tmp_path / "sft"
+    sft.run_sft(_short_job(None, 2), out, resume=False, **fast)
+    ckpt = out / "checkpoint"
+    pristine = shutil.copytree(ckpt, tmp_path / "pristine")
+
+    def damage(file: str, content: bytes | None = None, size: int | None = None):
+        shutil.rmtree(ckpt)
+        shutil.copytree(pristine, ckpt)
+        if content is not None:
+            (ckpt / file).write_bytes(content)
+        else:
+            with open(ckpt / file, "r+b") as f:
+                f.truncate(size)
+
+    for file, content, size, reason in (
+        ("optimizer.pt", None, 300, "optimizer.pt: PytorchStreamReader failed reading zip archive"),
+        ("state.json", b'{"step": 2', None, "state.json: Expecting ',' delimiter"),
+        ("state.json", b"[2]", None, "state.json: "),
+        ("model/model.safetensors", None, 100, "model/: Error while deserializing header"),
+    ):
+        damage(file, content, size)
+        with pytest.raises(CheckpointError) as err:
+            sft.run_sft(_short_job(None, 3), out, resume=True, **fast)  # a raised budget: continue from it
+        message = str(err.value)
+        assert message.startswith(f"the SFT checkpoint {ckpt} cannot be read ({reason}"), message
+        assert "`daedalus sft JOB.yaml --no-resume`" in message and "--resume none" in message
+    job = _short_job(None, 3).model_dump(by_alias=True, mode="json")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    capsys.readouterr()
+    assert cli.main(["sft", str(tmp_path / "job.yaml"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the SFT checkpoint {ckpt} cannot be read (model/: ") and "Traceback" not in err
+    sft.run_sft(_short_job(None, 2), out, resume=False, **fast)  # training again replaces it
+    assert json.loads((out / sft.REPORT_NAME).read_text())["steps"] == 2
+
+
 def test_replacing_the_sft_checkpoint_never_deletes_the_only_complete_one(tmp_path):
     """A crash between the two renames leaves only ``checkpoint.old``; the resumed run's next save must keep it until
     the new directory has taken ``checkpoint``'s place (before, it deleted ``.old`` first, so a second crash, or a

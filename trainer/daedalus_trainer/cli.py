@@ -28,9 +28,17 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
     text = render()
     if args.out:
+        from daedalus_trainer.usage import UsageError, make_dir
+
+        for out in args.out:  # every path first: a bad second --out leaves no first file rewritten
+            if Path(out).is_dir():
+                raise UsageError(f"--out {out} is a directory; give the path of the file to write")
+            make_dir(Path(out).parent, "--out")
         for out in args.out:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(text)
+            try:
+                Path(out).write_text(text)
+            except OSError as exc:  # permissions, a read-only or full file system
+                raise UsageError(f"--out: cannot write {out}: {exc.strerror or exc}") from None
     else:
         sys.stdout.write(text)
     return 0
@@ -118,17 +126,54 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_eval_dirs(model: str, adapter: str | None) -> None:
+    """Refuse the ``daedalus eval`` directories that are the wrong kind where the right one is at hand: a PEFT adapter
+    given as ``--model``, or a directory whose ``model/`` (``--model``) or ``adapter/`` (``--adapter``) subdirectory
+    is what was meant (``runs/<name>/sft``, a GRPO checkpoint ``step-NNNNNN`` or ``runs/<name>/exports``). Anything
+    else is left to the loaders' own messages.
+
+    Raises:
+        daedalus_trainer.usage.UsageError: naming the directory and what to give instead.
+    """
+    from daedalus_trainer.policy import is_adapter_dir, is_checkpoint_dir
+    from daedalus_trainer.usage import UsageError
+
+    if Path(model).is_dir() and not is_checkpoint_dir(model):
+        if is_adapter_dir(model):
+            raise UsageError(f"--model {model} is a PEFT adapter (adapter_config.json), not a model: give it as "
+                             f"--adapter {model}, with its base model as --model (for a local run: "
+                             "runs/<name>/sft/model)")
+        if is_checkpoint_dir(Path(model) / "model"):
+            raise UsageError(f"--model {model} holds no config.json; its model is --model {Path(model) / 'model'}")
+    inner = Path(adapter) / "adapter" if adapter else None
+    if adapter and Path(adapter).is_dir() and not is_adapter_dir(adapter) and is_adapter_dir(inner):
+        raise UsageError(f"--adapter {adapter} holds no adapter_config.json; its adapter is --adapter {inner}")
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     job = _load(args.config)  # a typo in the YAML is reported before seconds of imports
     from daedalus_trainer import evaluation
 
     _single_threaded_torch()
-    if args.json:  # before minutes of evaluation, not after
-        from daedalus_trainer.usage import UsageError, make_dir
+    from daedalus_trainer.usage import UsageError, make_dir
 
+    eval_set = job.spec.environment.eval_mazes
+    if args.mazes is not None and args.mazes > eval_set:  # the sets hold evalMazes mazes: silently fewer, before
+        raise UsageError(f"--mazes {args.mazes} is more than the {eval_set} mazes of the job's evaluation sets "
+                         f"(environment.evalMazes); give --mazes {eval_set} or fewer, or raise environment.evalMazes "
+                         "(which also holds more layouts out of training)")
+    _check_eval_dirs(args.model, args.adapter)
+    if args.json:  # before minutes of evaluation, not after
         if Path(args.json).is_dir():
             raise UsageError(f"--json {args.json} is a directory; give the path of the JSON file to write")
         make_dir(Path(args.json).parent, "--json")
+    if args.gif:  # likewise: the GIFs are written after the evaluation
+        if "image" not in job.spec.environment.observation:  # they are drawn from the episodes' images
+            raise UsageError(f"--gif: the job's environment.observation is {job.spec.environment.observation!r}: "
+                             "its episodes have no images to draw GIFs from (use 'image' or 'image+ascii')")
+        if Path(args.gif).exists() and not Path(args.gif).is_dir():
+            raise UsageError(f"--gif {args.gif} is a file; give the directory to write the GIFs into")
+        make_dir(args.gif, "--gif")
     report = evaluation.run_eval(
         job, args.model, adapter_path=args.adapter, greedy=True, sampled=not args.greedy_only,
         gif_dir=args.gif, n=args.mazes, split=args.split,
@@ -287,14 +332,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True, help="model directory (a full checkpoint, e.g. runs/<name>/sft/model)")
     s.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory")
     s.add_argument("--mazes", type=_positive_int, default=None,
-                   help="evaluate on the first N mazes of the set (held-out: N layouts, each played from "
-                        "environment.evalCorners start/goal corner pairs; default: all environment.evalMazes)")
+                   help="evaluate on the first N mazes of the set, N <= environment.evalMazes (held-out: N layouts, "
+                        "each played from environment.evalCorners start/goal corner pairs; default: all "
+                        "environment.evalMazes)")
     s.add_argument("--split", choices=("held-out", "training"), default="held-out",
                    help="held-out: the evaluation layouts, excluded from training (default); training: as many mazes "
                         "on layouts training draws from (what training learned where it trained)")
     s.add_argument("--greedy-only", action="store_true", help="skip sampled evaluation")
     s.add_argument("--json", default=None, help="write the report as JSON to this file (parent directories created)")
-    s.add_argument("--gif", default=None, help="write animated GIFs of some episodes to this directory")
+    s.add_argument("--gif", default=None, help="write animated GIFs of some greedy episodes to this directory (half "
+                                                "successes, half failures; needs image observations)")
     s.set_defaults(func=_cmd_eval)
 
     s = sub.add_parser("validate", help="validate RLTrainingJob files (every error with its field path)",

@@ -19,6 +19,7 @@ import enum
 import functools
 import io
 import re
+import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -663,6 +664,18 @@ def _key_problem(key: Any) -> str | None:
     return None
 
 
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxdict, _SHORT_REPR.maxtuple, _SHORT_REPR.maxset = 2, 4, 4, 4, 4
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = _SHORT_REPR.maxlong = 200
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` for an error message; a list or mapping is cut to its first 4 items and 2 levels (``[...]``,
+    ``...``), reading only what is shown, so a large value, or YAML aliases nested into a billion strings, cannot
+    make the message megabytes long (or its formatting hang). Strings are shown whole."""
+    return repr(value) if isinstance(value, str) else _SHORT_REPR.repr(value)
+
+
 def _kind_of(value: Any) -> str:
     return {bool: "boolean", int: "number", float: "number"}.get(type(value), type(value).__name__)
 
@@ -672,7 +685,7 @@ def _string_value_problem(key: Any, value: Any) -> str | None:
         return f"the value of {key!r} is empty: write \"\" for an empty string"
     if not isinstance(value, str):
         quote = " (quote it)" if isinstance(value, (bool, int, float)) else ""
-        return f"the value of {key!r} must be a string; got the {_kind_of(value)} {value!r}{quote}"
+        return f"the value of {key!r} must be a string; got the {_kind_of(value)} {_shown(value)}{quote}"
     return None
 
 
@@ -1014,13 +1027,16 @@ def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
             msg = f"must be a Kubernetes quantity such as \"4\", \"500m\" or \"16Gi\"; got {err['input']!r}"
         elif err["type"] == "string_too_long" and isinstance(err.get("input"), str):
             msg += f" (got {err['input']!r}, {len(err['input'])} characters)"
+        elif err["type"] == "string_type" and isinstance(err.get("input"), bool):  # before int: bool is one
+            msg += (f" (got the boolean {str(err['input']).lower()}: quote it; YAML reads unquoted yes, no, on, off, "
+                    "true and false as booleans)")
         elif err["type"] == "string_type" and isinstance(err.get("input"), (int, float)):
             msg += f" (got the number {err['input']!r}: quote it)"
         elif err["type"] in ("float_type", "bool_type", "int_type") and _unquoted(err.get("input")) is not None:
             msg += f" (got the string {err['input']!r}: unquote it, the API server does not convert strings)"
         elif err["type"] in ("float_type", "bool_type", "int_type", "int_from_float", "literal_error", "enum",
                              "string_type", "greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-            msg += f" (got {err.get('input')!r})"
+            msg += f" (got {_shown(err.get('input'))})"
         elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == DNS_LABEL_PATTERN:
             msg = ("must be a lowercase DNS label: a-z, 0-9 and '-', starting and ending with a letter or digit "
                    f"(RFC 1123); got {err.get('input')!r}")
@@ -1029,7 +1045,7 @@ def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
         elif empty:
             msg = "must be a mapping; got an empty value (give the section fields, or leave it out for the defaults)"
         elif err["type"] == "model_type":
-            msg = f"must be a mapping of fields; got {type(err.get('input')).__name__} {err.get('input')!r}"
+            msg = f"must be a mapping of fields; got {type(err.get('input')).__name__} {_shown(err.get('input'))}"
         elif err["type"] == "extra_forbidden":
             msg = _unknown_field_message(tuple(err["loc"]))
         # Validators that find several problems (the cross-field rules, metadata.labels) raise "<path>: message" lines,
@@ -1063,12 +1079,12 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
     if kind is None:
         errors.append(("kind", f"required: {KIND!r} (kubectl refuses a document without it: \"kind not set\")"))
     elif kind != KIND:
-        errors.append(("kind", f"expected {KIND!r}, got {kind!r}"))
+        errors.append(("kind", f"expected {KIND!r}, got {_shown(kind)}"))
     if api_version is None:
         errors.append(("apiVersion", f"required: {API_VERSION!r} (kubectl refuses a document without it: "
                                      "\"apiVersion not set\")"))
     elif api_version != API_VERSION:
-        errors.append(("apiVersion", f"expected {API_VERSION!r}, got {api_version!r}"))
+        errors.append(("apiVersion", f"expected {API_VERSION!r}, got {_shown(api_version)}"))
     if kind is not None and kind != KIND:
         raise SpecError(errors, source)  # another kind of object: its fields say nothing about a job's
     # Top-level keys are checked here: a misspelt `spec` is then one error about the spelling (and `spec` missing).

@@ -330,14 +330,21 @@ def load_engine(job: Any, model_path: str | Path, adapter_path: str | Path | Non
     missing is put back first (:func:`daedalus_trainer.checkpoint.restore_interrupted_export`).
 
     Raises:
-        FileNotFoundError: no checkpoint at ``model_path`` / no adapter at ``adapter_path``.
+        FileNotFoundError: no checkpoint at ``model_path`` / no adapter at ``adapter_path`` (the adapter is checked
+            first: before the model, which may take minutes to load).
+        daedalus_trainer.policy.ModelLoadError: the model's or the adapter's files cannot be loaded.
     """
     from daedalus_trainer.checkpoint import restore_interrupted_export
-    from daedalus_trainer.policy import load_pretrained
+    from daedalus_trainer.policy import ADAPTER_CONFIG, is_adapter_dir, load_pretrained
     from daedalus_trainer.rollout.engine import TransformersEngine
 
     if adapter_path:
         restore_interrupted_export(adapter_path)
+        if not Path(adapter_path).exists():
+            raise FileNotFoundError(f"{adapter_path} does not exist (expected a PEFT adapter directory with "
+                                    f"{ADAPTER_CONFIG})")
+        if not is_adapter_dir(adapter_path):
+            raise FileNotFoundError(f"{adapter_path} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
     policy = load_pretrained(model_path, job.spec.model.dtype)
     if adapter_path:
         policy.load_adapter(adapter_path, trainable=False)

@@ -827,6 +827,21 @@ def init_ray(local: bool) -> None:
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
 
 
+def check_resumed_adapter(job, loaded) -> None:
+    """Refuse, before SFT and Ray start, a ``--resume PATH`` checkpoint whose LoRA adapter is not the one ``job``
+    trains: the SFT adapter's when ``model.sftAdapter`` is a PEFT adapter, else ``spec.lora``'s
+    (:meth:`Trainer._expected_adapter`, which checks it again once the start is known).
+
+    Raises:
+        daedalus_trainer.checkpoint.CheckpointError: as :func:`check_adapter_matches`.
+    """
+    from daedalus_trainer.policy import is_adapter_dir, read_adapter_config
+
+    sft_adapter = job.spec.model.sft_adapter
+    expected = read_adapter_config(sft_adapter) if sft_adapter and is_adapter_dir(sft_adapter) else job.spec.lora
+    check_adapter_matches(loaded.load_adapter_config(), expected, loaded.path)
+
+
 def main_train(config: str, resume: str = "latest", out_dir: str | None = None) -> int:
     """`daedalus train`: the Ray job's entrypoint on a cluster (the operator submits
     ``python -m daedalus_trainer train --config /etc/daedalus/config.json --resume latest``).
@@ -842,6 +857,8 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
         daedalus_trainer.usage.UsageError: ``DAEDALUS_ATTEMPT`` is not a whole number >= 0,
             ``DAEDALUS_METRICS_PORT`` not a port number or taken, ``DAEDALUS_METRICS_LINGER_SECONDS`` not a number
             >= 0, or the run directory cannot be created (all before Ray starts).
+        CheckpointError: ``resume`` is a PATH that holds no checkpoint, one that fails verification, or one of
+            another LoRA adapter (:func:`check_resumed_adapter`); checked before Ray starts and anything is created.
         CheckpointError, LayoutError, ray.exceptions.RayError: as :meth:`Trainer.train` (the control phase is set
             to ``failed`` first).
     """
@@ -858,7 +875,12 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     linger = env_number("DAEDALUS_METRICS_LINGER_SECONDS", 0.0, minimum=0.0)
     host = os.environ.get("DAEDALUS_METRICS_HOST", "0.0.0.0")
     check_port_free(host, port, "DAEDALUS_METRICS_PORT")
-    run_dir = make_dir(Path(out_dir) if out_dir else run_dir_for(job), "--out" if out_dir else "checkpoint.path")
+    target = Path(out_dir) if out_dir else run_dir_for(job)
+    if resume not in ("latest", "none"):  # a checkpoint PATH: verified now, not after Ray and the model start
+        from daedalus_trainer.checkpoint import resolve_resume
+
+        check_resumed_adapter(job, resolve_resume(resume, target / "checkpoints"))
+    run_dir = make_dir(target, "--out" if out_dir else "checkpoint.path")
     init_ray(local=False)
     trainer = Trainer(job, run_dir)
     trainer.control.set_status(attempt=attempt)

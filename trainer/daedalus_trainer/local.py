@@ -33,22 +33,6 @@ from daedalus_trainer.usage import make_dir
 log = logging.getLogger("daedalus.local")
 
 
-def _check_resumed_adapter(job, loaded) -> None:
-    """Refuse, before SFT and Ray start, a ``--resume PATH`` checkpoint whose LoRA adapter is not the one this job
-    trains: the SFT adapter's when ``model.sftAdapter`` is a PEFT adapter, else ``spec.lora``'s
-    (:meth:`daedalus_trainer.grpo.Trainer._expected_adapter`, which checks it again once the start is known).
-
-    Raises:
-        daedalus_trainer.checkpoint.CheckpointError: as :func:`daedalus_trainer.grpo.check_adapter_matches`.
-    """
-    from daedalus_trainer.grpo import check_adapter_matches
-    from daedalus_trainer.policy import is_adapter_dir, read_adapter_config
-
-    sft_adapter = job.spec.model.sft_adapter
-    expected = read_adapter_config(sft_adapter) if sft_adapter and is_adapter_dir(sft_adapter) else job.spec.lora
-    check_adapter_matches(loaded.load_adapter_config(), expected, loaded.path)
-
-
 def _free_port(preferred: int) -> int:
     """``preferred`` if it can be bound on 127.0.0.1, else a free port (0 asks for a free one)."""
     if preferred:
@@ -172,6 +156,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         daedalus_trainer.config.SpecError: the YAML is invalid (every error with its field path).
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from daedalus_trainer.config import load_job
@@ -187,26 +172,37 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     transformers.utils.logging.set_verbosity_error()
     console, errors = Console(), Console(stderr=True, soft_wrap=True, highlight=False)
     run_dir = Path(runs_dir) / job.metadata.name
-    if not job.spec.model.sft_adapter and not job.spec.model.tiny:
-        errors.print("[red]model.sftAdapter is required for a non-tiny model[/red]")
+
+    def refuse(message: str) -> int:
+        """One ``error:`` line, as the other commands print theirs (paths are shown literally, brackets too)."""
+        errors.print(f"[red]error: {escape(message)}[/red]")
         return 2
+
+    if not job.spec.model.sft_adapter and not job.spec.model.tiny:
+        return refuse("model.sftAdapter is required for a non-tiny model: daedalus run trains an SFT starting point "
+                      "itself only for model.tiny; give the PEFT adapter or model directory of a supervised start")
     given = job.spec.model.sft_adapter
     if given:  # checked before anything is created under --runs-dir
         from daedalus_trainer.policy import is_adapter_dir, is_checkpoint_dir
 
         if not Path(given).exists():
-            errors.print(f"[red]model.sftAdapter {given!r} does not exist on this machine[/red]")
-            return 2
+            return refuse(f"model.sftAdapter {given!r} does not exist on this machine")
         if not (is_adapter_dir(given) or is_checkpoint_dir(given)):
-            errors.print(f"[red]model.sftAdapter {given!r} is neither a PEFT adapter directory (adapter_config.json) "
-                          "nor a model directory (config.json) on this machine[/red]")
-            return 2
+            return refuse(f"model.sftAdapter {given!r} is neither a PEFT adapter directory (adapter_config.json) "
+                          "nor a model directory (config.json) on this machine")
+        base = job.spec.model.path
+        if is_adapter_dir(given) and not job.spec.model.tiny and not is_checkpoint_dir(base):
+            # the adapter's base model: resolve_base_dir would say so only after the run directory was created
+            return refuse(f"model.path {base!r} holds no Hugging Face checkpoint (config.json) on this machine, "
+                          "and model.sftAdapter is an adapter that needs it as its base model; Daedalus never "
+                          "downloads models at run time: copy the checkpoint there")
     if resume != "latest":
         # A GRPO checkpoint path is verified now, not after SFT and an evaluation (the trainer moves the checkpoints
         # it will not continue aside once it has accepted it), its adapter included. With `none`, the old run's GRPO
         # checkpoints go aside before SFT starts over, so that an interrupted run is never followed by a `latest`
         # resume of the old timeline on top of a new SFT model.
         from daedalus_trainer.checkpoint import CheckpointError, CheckpointManager
+        from daedalus_trainer.grpo import check_resumed_adapter
 
         try:
             manager = CheckpointManager(run_dir / "checkpoints", keep=job.spec.checkpoint.keep)
@@ -214,12 +210,12 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
             if loaded is None:
                 manager.abandon_other_timelines(None)
             else:
-                _check_resumed_adapter(job, loaded)
+                check_resumed_adapter(job, loaded)
         except CheckpointError as exc:
-            errors.print(f"[red]--resume {resume}: {exc}[/red]")
-            return 2
+            return refuse(f"--resume {resume}: {exc}")
     make_dir(run_dir, "--runs-dir")
-    console.print(f"[bold]daedalus run[/bold] {job_path}: job [cyan]{job.metadata.name}[/cyan] -> {run_dir}/ "
+    console.print(f"[bold]daedalus run[/bold] {escape(str(job_path))}: job [cyan]{job.metadata.name}[/cyan] -> "
+                  f"{escape(str(run_dir))}/ "
                   "(local mode: spec.cluster is ignored)")
 
     import torch
@@ -325,8 +321,8 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                       f"bootstrap over {pairs}); {gain['fixed']} episodes fixed, {gain['broken']} broken")
     console.print(f"GRPO steps: {report['steps']} in {report['grpo_wall_seconds']:.0f} s  "
                   f"whole run: {report['wall_seconds']:.0f} s  "
-                  f"adapter: {_shown(result.adapter_dir)}  curves: {_shown(curves)}  "
-                  f"report: {_shown(run_dir / 'report.json')}")
+                  f"adapter: {escape(_shown(result.adapter_dir))}  curves: {escape(_shown(curves))}  "
+                  f"report: {escape(_shown(run_dir / 'report.json'))}")
     return 0
 
 

@@ -33,6 +33,7 @@ import torch
 from PIL import Image
 
 from daedalus_trainer import tiny as tiny_mod
+from daedalus_trainer.checkpoint import CheckpointError
 
 log = logging.getLogger("daedalus.policy")
 
@@ -47,6 +48,39 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MIN_SHARED_PREFIX = 16
 #: Processed images kept by :meth:`Policy.process_images` (a 128x128 px image is ~0.4 MB of float32 patches).
 IMAGE_CACHE_SIZE = 512
+#: Weight files of a PEFT adapter directory, either of which PEFT loads locally (without one it asks the Hub).
+ADAPTER_WEIGHT_FILES = (ADAPTER_WEIGHTS, "adapter_model.bin")
+
+
+class ModelLoadError(CheckpointError):
+    """A model or adapter directory that exists and has its config file, but whose files cannot be loaded
+    (truncated or missing weights, a config that does not parse, Git LFS pointers in place of the weights). The
+    message names the directory, what failed, and what to do; the `daedalus` command prints it as one line."""
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message without its closing full stop (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__
+
+
+def _unloadable(what: str, path: Path, exc: BaseException | str) -> ModelLoadError:
+    """The :class:`ModelLoadError` for ``what`` (``"model"``, ``"adapter"``) at ``path`` that failed with ``exc``
+    (an exception, or the reason as text)."""
+    reason = exc if isinstance(exc, str) else _first_line(exc)
+    return ModelLoadError(
+        f"cannot load the {what} in {path}: {reason}. Its files are incomplete or damaged (a copy, download or save "
+        "cut short, or Git LFS pointers in place of the weights): copy or save it again")
+
+
+def _check_adapter_weights(path: Path) -> None:
+    """Raise :class:`ModelLoadError` when the adapter directory ``path`` holds none of
+    :data:`ADAPTER_WEIGHT_FILES`: PEFT would then look ``path`` up on the Hugging Face Hub as a repository name
+    (a network call at run time, and a traceback without a network)."""
+    if not any((path / name).is_file() for name in ADAPTER_WEIGHT_FILES):
+        raise ModelLoadError(
+            f"cannot load the adapter in {path}: it has {ADAPTER_CONFIG} but no weights "
+            f"({' or '.join(ADAPTER_WEIGHT_FILES)}): copy or save the adapter again")
 
 
 # --------------------------------------------------------------------------------------------------------- sequences
@@ -208,22 +242,34 @@ class Policy:
         Raises:
             FileNotFoundError: a directory without ``adapter_config.json``.
             ValueError: a state dict without an attached adapter, missing or unexpected keys, or vision targets.
+            ModelLoadError: the directory's config does not parse, or its weights are missing or cannot be read.
         """
         from peft import PeftConfig, PeftModel, set_peft_model_state_dict
+        from safetensors import SafetensorError
 
         if isinstance(path_or_state, (str, Path)):
             path = Path(path_or_state)
             if not (path / ADAPTER_CONFIG).is_file():
                 raise FileNotFoundError(f"{path} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+            _check_adapter_weights(path)
             if not self.has_adapter:
-                cfg = PeftConfig.from_pretrained(str(path))
+                try:
+                    cfg = PeftConfig.from_pretrained(str(path))
+                except (OSError, ValueError) as exc:  # ValueError: adapter_config.json does not parse
+                    raise _unloadable("adapter", path, f"{ADAPTER_CONFIG}: {_first_line(exc)}") from exc
                 targets = cfg.target_modules
                 check_lora_targets(self.model, sorted(targets) if isinstance(targets, (set, list)) else targets)
-                self.model = PeftModel.from_pretrained(self.model, str(path), is_trainable=trainable)
+                try:
+                    self.model = PeftModel.from_pretrained(self.model, str(path), is_trainable=trainable)
+                except (OSError, SafetensorError) as exc:
+                    raise _unloadable("adapter", path, exc) from exc
                 return
             from safetensors.torch import load_file
 
-            state = load_file(str(path / ADAPTER_WEIGHTS))
+            try:
+                state = load_file(str(path / ADAPTER_WEIGHTS))
+            except (OSError, SafetensorError) as exc:
+                raise _unloadable("adapter", path, exc) from exc
         else:
             state = path_or_state
             if not self.has_adapter:
@@ -726,7 +772,10 @@ def load_pretrained(path: str | Path, dtype: str = "float32", device: torch.devi
         FileNotFoundError: ``path`` holds no ``config.json``.
         ValueError: unknown ``dtype``, or the checkpoint's processor is not a vision-language one (no
             ``image_processor``).
+        ModelLoadError: ``config.json`` is there but the checkpoint cannot be loaded: a config that does not parse
+            or is not a vision-language model's, weights missing, truncated or not weights at all (Git LFS pointers).
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     path = Path(path)
@@ -735,11 +784,16 @@ def load_pretrained(path: str | Path, dtype: str = "float32", device: torch.devi
     if not is_checkpoint_dir(path):
         raise FileNotFoundError(f"{path} holds no Hugging Face checkpoint (config.json)")
     dev = torch.device(device) if device is not None else default_device()
-    model = AutoModelForImageTextToText.from_pretrained(
-        str(path), dtype=torch_dtype(dtype, dev), local_files_only=True
-    ).to(dev)
+    dtype_ = torch_dtype(dtype, dev)
+    try:  # transformers reports a config that does not parse, and missing weights, as OSError
+        model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype_, local_files_only=True)
+        processor = AutoProcessor.from_pretrained(str(path), local_files_only=True)
+    except (OSError, SafetensorError) as exc:
+        raise _unloadable("model", path, exc) from exc
+    except ValueError as exc:  # e.g. a text-only model: its config class has no image-text-to-text model
+        raise ModelLoadError(f"cannot load the model in {path} as a vision-language model: {_first_line(exc)}") from exc
+    model = model.to(dev)
     use_fast_vision_paths(model)
-    processor = AutoProcessor.from_pretrained(str(path), local_files_only=True)
     if not hasattr(processor, "image_processor"):
         raise ValueError(f"{path}: AutoProcessor returned {type(processor).__name__}, not a vision-language processor")
     return Policy(model, processor, path, dev)
@@ -773,8 +827,11 @@ def load_policy(
     """
     sft = getattr(model_spec, "sft_adapter", None)
     dtype = getattr(model_spec, "dtype", "float32")
+    if sft and not Path(sft).exists():
+        raise FileNotFoundError(f"model.sftAdapter {sft!r} does not exist on this machine")
     if sft and not (is_checkpoint_dir(sft) or is_adapter_dir(sft)):
-        raise FileNotFoundError(f"model.sftAdapter {sft!r} is neither a model directory nor a PEFT adapter directory")
+        raise FileNotFoundError(f"model.sftAdapter {sft!r} is neither a model directory (config.json) nor a PEFT "
+                                "adapter directory (adapter_config.json)")
     base_dir = Path(sft) if is_checkpoint_dir(sft) else resolve_base_dir(model_spec, work_dir)
     policy = load_pretrained(base_dir, dtype, device)
     if sft and is_adapter_dir(sft):

@@ -495,13 +495,39 @@ def check_same_run(ckpt: Path, job: Any) -> None:
     """
     from daedalus_trainer.checkpoint import CheckpointError, identity_differences
 
-    diff = identity_differences(json.loads((ckpt / "state.json").read_text()).get("identity"), run_identity(job))
+    diff = identity_differences(_read_state(ckpt).identity, run_identity(job))
     if diff:
         raise CheckpointError(
             f"{ckpt.parent} holds an SFT run started with other settings ({'; '.join(diff)}); continuing or reusing "
             "it would mix the two. Restore those settings, train SFT again into the same directory (`daedalus run "
             "JOB.yaml --resume none`, or `daedalus sft JOB.yaml --no-resume`: the old SFT model is replaced), or give "
             "the job another metadata.name")
+
+
+def _damaged(ckpt: Path, file: str, exc: BaseException) -> Exception:
+    """The :class:`~daedalus_trainer.checkpoint.CheckpointError` for the SFT checkpoint ``ckpt`` whose ``file``
+    cannot be read: the first sentence of what ``exc`` (or the error it was raised from) says, and the way on."""
+    from daedalus_trainer.checkpoint import CheckpointError
+
+    cause = exc.__cause__ or exc
+    reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0].split(". ")[0].rstrip(".")
+    return CheckpointError(
+        f"the SFT checkpoint {ckpt} cannot be read ({file}: {reason}): it is damaged (a disk error, or a file changed "
+        "or cut short by hand). Train SFT again into the same directory (`daedalus sft JOB.yaml --no-resume`, or "
+        "`daedalus run JOB.yaml --resume none`: the checkpoint and the SFT model are replaced)")
+
+
+def _read_state(ckpt: Path) -> SFTState:
+    """The :class:`SFTState` in ``ckpt/state.json``.
+
+    Raises:
+        daedalus_trainer.checkpoint.CheckpointError: it is not UTF-8 JSON holding an SFT state (:func:`_damaged`).
+    """
+    try:
+        doc = json.loads((ckpt / "state.json").read_text(encoding="utf-8"))
+        return SFTState(**doc)
+    except (ValueError, TypeError) as exc:  # JSONDecodeError, UnicodeDecodeError; not an object, or unknown keys
+        raise _damaged(ckpt, "state.json", exc) from None
 
 
 def _find_checkpoint(out_dir: Path) -> Path | None:
@@ -530,13 +556,26 @@ def _load_start(job: Any, out_dir: Path, resume: bool) -> tuple[Policy, SFTState
     ckpt = _find_checkpoint(out_dir) if resume else None
     tiny = bool(spec.model.tiny) and not spec.model.sft_adapter
     if ckpt is not None:
-        state = SFTState(**json.loads((ckpt / "state.json").read_text()))
-        opt_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+        import pickle
+
+        from daedalus_trainer.policy import ModelLoadError
+
+        state = _read_state(ckpt)
+        try:
+            opt_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # what torch.load says of a damaged file
+            raise _damaged(ckpt, "optimizer.pt", exc) from None
         if (ckpt / MODEL_DIRNAME).is_dir():
-            policy = load_pretrained(ckpt / MODEL_DIRNAME, spec.model.dtype)
+            try:
+                policy = load_pretrained(ckpt / MODEL_DIRNAME, spec.model.dtype)
+            except (ModelLoadError, FileNotFoundError) as exc:
+                raise _damaged(ckpt, f"{MODEL_DIRNAME}/", exc) from None
         else:
             policy = load_pretrained(resolve_base_dir(spec.model, out_dir), spec.model.dtype)
-            policy.load_adapter(ckpt / ADAPTER_DIRNAME, trainable=True)
+            try:
+                policy.load_adapter(ckpt / ADAPTER_DIRNAME, trainable=True)
+            except (ModelLoadError, FileNotFoundError) as exc:
+                raise _damaged(ckpt, f"{ADAPTER_DIRNAME}/", exc) from None
         return policy, state, opt_state
     if tiny:
         policy = load_pretrained(resolve_base_dir(spec.model, out_dir), spec.model.dtype)
@@ -586,7 +625,8 @@ def run_sft(
         daedalus_trainer.layouts.LayoutError: the evaluation set leaves too few training layouts.
         FileNotFoundError: a real model without a local checkpoint.
         daedalus_trainer.checkpoint.CheckpointError: with ``resume``, ``out_dir`` holds a run another job's
-            settings started (:func:`check_same_run`).
+            settings started (:func:`check_same_run`), or a checkpoint that cannot be read (a state that does not
+            parse, a truncated optimizer state, damaged weights): the message says to train again without resuming.
     """
     from tqdm.auto import tqdm
 
@@ -602,7 +642,7 @@ def run_sft(
     ckpt = _find_checkpoint(out_dir) if resume else None
     if ckpt is not None:
         check_same_run(ckpt, job)
-        saved = SFTState(**json.loads((ckpt / "state.json").read_text()))
+        saved = _read_state(ckpt)
         result = finished_result(out_dir, saved.step)
         if result is not None and exhausted(saved):  # finished before: done unless the budget was raised since
             return result

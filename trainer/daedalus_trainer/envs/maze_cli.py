@@ -36,8 +36,19 @@ def run(size: int, seed: int, out: str | None, cell_px: int = 25, action_format:
         action_format: ``function``, ``tuple`` or ``tag``.
 
     Returns:
-        0 on success; 2 for invalid arguments (the reason goes to stderr); 1 when the PNG cannot be written.
+        0 on success; 2 for invalid arguments or an ``out`` that cannot be written (the reason goes to stderr, one
+        line; an ``out`` that is a directory or lies under a file is refused before anything is printed).
     """
+    from daedalus_trainer.usage import UsageError, make_dir
+
+    if out is not None:  # before the maze is printed: the one line that says why is not lost above it
+        try:
+            if Path(out).is_dir():
+                raise UsageError(f"--out {out} is a directory; give the path of the PNG file to write")
+            make_dir(Path(out).parent, "--out")
+        except UsageError as err:
+            print(f"daedalus maze: {err}", file=sys.stderr)
+            return 2
     try:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
@@ -60,11 +71,10 @@ def run(size: int, seed: int, out: str | None, cell_px: int = 25, action_format:
     if out is not None:
         path = Path(out)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(image, mode="RGB").save(path, format="PNG")
-        except OSError as err:
-            print(f"daedalus maze: cannot write {path}: {err}", file=sys.stderr)
-            return 1
+        except OSError as err:  # permissions, a full disk
+            print(f"daedalus maze: cannot write {path}: {err.strerror or err}", file=sys.stderr)
+            return 2
         print(f"Wrote {path} ({image.shape[1]}x{image.shape[0]} px)")
     return 0
 
