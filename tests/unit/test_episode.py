@@ -105,6 +105,22 @@ def test_solver_engine_succeeds_with_optimal_turns(tiny_policy, tiny_job):
     assert engine.batches[0] == 4  # episodes run in lockstep, one engine call per turn
 
 
+def test_on_turn_reports_turns_and_ended_episodes_without_changing_the_play(tiny_policy, tiny_job):
+    """The progress callback gets (turns played, longest turn limit, episodes ended, episodes) after every turn:
+    the ended count rises as each solver episode stops on its goal; the trajectories are those played without it."""
+    mazes = [maze_from_seed(7, s) for s in range(4)]
+    engine = ScriptedEngine(tiny_policy, lambda messages, images: solver_reply(images[-1], 16))
+    calls: list[tuple[int, int, int, int]] = []
+    trajs = run_episodes(engine, mazes, tiny_job.spec.environment, SamplingParams(0.0),
+                         on_turn=lambda *a: calls.append(a))
+    plain = run_episodes(engine, mazes, tiny_job.spec.environment, SamplingParams(0.0))
+    assert [t.actions for t in trajs] == [t.actions for t in plain]
+    lengths = sorted(t.num_turns for t in trajs)
+    limit = max(t.max_turns for t in trajs)
+    assert calls == [(k, limit, sum(n <= k for n in lengths), 4) for k in range(1, lengths[-1] + 1)]
+    assert limit > lengths[-1]  # the solver ends before the limit
+
+
 def test_an_engine_answering_fewer_conversations_is_an_error_not_short_episodes(tiny_policy, tiny_job):
     """An engine that returns fewer generations than it was given conversations: before, zip dropped the rest and
     their half-played episodes went to training as finished (0-2 turns, not truncated)."""

@@ -607,3 +607,30 @@ def test_local_tiny_sft_reaches_half_held_out_success(tmp_path):
     assert report["final_eval"]["success_rate"] >= 0.5, summary
     again = evaluation.run_eval(job, model, sampled=False)
     assert again.result("greedy").success_rate == report["final_eval"]["success_rate"]
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "log"])
+def test_evaluation_progress_shows_each_pass(tiny_checkpoint, terminal):
+    """``daedalus eval`` and ``daedalus run`` show each evaluation pass's progress (tens of seconds each): on a
+    terminal a bar with the turns played and the episodes ended; in a log one line per pass when it ends. The
+    report is the one evaluated without it."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    job = make_tiny_job(None, environment={"evalMazes": 16, "maxTurns": 2})
+    out = io.StringIO()
+    console = Console(file=out, width=120, force_terminal=terminal, color_system=None)
+    with evaluation.EvalProgress(console) as progress:
+        rep = evaluation.run_eval(job, tiny_checkpoint, n=3, split="training", progress=progress)
+    text = out.getvalue()
+    if terminal:
+        for label in ("training greedy", "training sampled"):
+            assert re.search(label + r" .*turn 2/2 +3/3 episodes ended", text), text
+    else:
+        assert re.findall(r"^(training \w+): 3 episodes in 2 turns, \d+ s$", text, re.M) == [
+            "training greedy", "training sampled"], text
+    plain = evaluation.run_eval(job, tiny_checkpoint, n=3, split="training")
+    assert [r.outcomes for r in rep.results] == [r.outcomes for r in plain.results]
+    assert [r.turns for r in rep.results] == [r.turns for r in plain.results] == [6, 6]

@@ -107,10 +107,16 @@ def _load(path: str):
 
 def _single_threaded_torch() -> None:
     """One torch thread unless OMP_NUM_THREADS says otherwise: 2 threads were 10-70x slower here when another process
-    was busy (docs/engineering-notes.md, "Torch threads on a shared CPU")."""
+    was busy (docs/engineering-notes.md, "Torch threads on a shared CPU"). Also turns off transformers' progress
+    bars."""
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import transformers
+
+    # transformers' own bars (a "Loading weights" bar per model load, "Writing model shards" per save) would
+    # interleave with ours; its warnings stay
+    transformers.utils.logging.disable_progress_bar()
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
@@ -174,13 +180,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if Path(args.gif).exists() and not Path(args.gif).is_dir():
             raise UsageError(f"--gif {args.gif} is a file; give the directory to write the GIFs into")
         make_dir(args.gif, "--gif")
-    report = evaluation.run_eval(
-        job, args.model, adapter_path=args.adapter, greedy=True, sampled=not args.greedy_only,
-        gif_dir=args.gif, n=args.mazes, split=args.split,
-    )
     from rich.console import Console
 
-    Console().print(report.table())
+    console = Console()
+    with evaluation.EvalProgress(console) as progress:
+        report = evaluation.run_eval(
+            job, args.model, adapter_path=args.adapter, greedy=True, sampled=not args.greedy_only,
+            gif_dir=args.gif, n=args.mazes, split=args.split, progress=progress,
+        )
+    console.print(report.table())
     if args.json:
         from daedalus_trainer.checkpoint import atomic_write_text
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,18 +206,61 @@ def summarize(trajectories: Sequence[Trajectory], mode: str, temperature: float,
 
 
 def evaluate(engine: RolloutEngine, mazes: Sequence[Any], env_spec: Any, sampling: SamplingParams, *,
-             mode: str = "greedy", seed: int | None = None, corners: int = 1) -> tuple[ModeResult, list[Trajectory]]:
+             mode: str = "greedy", seed: int | None = None, corners: int = 1,
+             on_turn: Callable[[int, int, int, int], None] | None = None) -> tuple[ModeResult, list[Trajectory]]:
     """Play every maze once with ``engine`` and summarise (``corners`` consecutive mazes per layout, as
-    :func:`~daedalus_trainer.layouts.eval_mazes` lays them out); returns ``(result, trajectories)``.
+    :func:`~daedalus_trainer.layouts.eval_mazes` lays them out); returns ``(result, trajectories)``. ``on_turn``:
+    progress after every turn (:func:`~daedalus_trainer.rollout.episode.run_episodes`).
 
     Raises:
         ValueError: ``mazes`` is empty, or not whole layouts of ``corners`` mazes (:func:`summarize`).
     """
     t0 = time.perf_counter()
-    trajectories = run_episodes(engine, mazes, env_spec, sampling, seed=seed)
+    trajectories = run_episodes(engine, mazes, env_spec, sampling, seed=seed, on_turn=on_turn)
     result = summarize(trajectories, mode, sampling.temperature, env_spec.success_on, time.perf_counter() - t0,
                        corners=corners)
     return result, trajectories
+
+
+class EvalProgress:
+    """Progress of evaluation passes, one rich progress line per pass (``held-out greedy``, ...): turns played of
+    the turn limit and episodes ended (every playing episode takes its turn in one batch, so most end near the
+    optimal path length and the last turns go fast). Use as a context manager and pass it to
+    :func:`evaluate_split`. Without a terminal (output redirected to a log) each pass prints one line when it ends.
+    """
+
+    def __init__(self, console: Any = None) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = console or Console()
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[turns]}"),
+            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console, transient=False,
+            disable=not self.console.is_terminal,
+        )
+
+    def __enter__(self) -> EvalProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.stop()
+
+    def on_turn(self, label: str) -> Callable[[int, int, int, int], None]:
+        """The ``on_turn`` callback of one pass named ``label`` (:func:`run_episodes`' arguments)."""
+        task = self.progress.add_task(label, total=None, turns="", info="")
+        started = time.perf_counter()
+
+        def update(turn: int, limit: int, ended: int, episodes: int) -> None:
+            info = f"{ended}/{episodes} episodes ended"
+            self.progress.update(task, completed=turn, total=max(limit, turn), turns=f"turn {turn}/{limit}",
+                                 info=info)
+            if ended == episodes and not self.console.is_terminal:
+                self.console.print(f"{label}: {episodes} episodes in {turn} turns, "
+                                   f"{time.perf_counter() - started:.0f} s")
+
+        return update
 
 
 @dataclass
@@ -364,6 +407,7 @@ def evaluate_split(
     gifs: int = 4,
     model_path: str | Path = "",
     adapter_path: str | Path | None = None,
+    progress: EvalProgress | None = None,
 ) -> EvalReport:
     """Evaluate a loaded policy (:func:`load_engine`, or any rollout engine) on one set of the job's mazes.
 
@@ -377,6 +421,7 @@ def evaluate_split(
         gif_dir: write GIFs of up to ``gifs`` greedy episodes there (half successes, half failures when both exist).
         n: evaluate only the first ``n`` mazes of the set (held-out: layouts, each from ``evalCorners`` pairs).
         model_path / adapter_path: what the engine holds, recorded in the report.
+        progress: shows each pass's progress (``None``: silent).
 
     Raises:
         daedalus_trainer.layouts.LayoutError: invalid held-out configuration.
@@ -395,11 +440,13 @@ def evaluate_split(
     greedy_trajs: list[Trajectory] = []
     if greedy:
         res, greedy_trajs = evaluate(engine, mazes, env, SamplingParams(0.0, 1.0, alg.max_tokens_per_turn),
-                                     mode="greedy", corners=corners)
+                                     mode="greedy", corners=corners,
+                                     on_turn=progress.on_turn(f"{split} greedy") if progress else None)
         report.results.append(res)
     if sampled:
         res, _ = evaluate(engine, mazes, env, SamplingParams(alg.temperature, alg.top_p, alg.max_tokens_per_turn),
-                          mode="sampled", seed=int(env.eval_seed), corners=corners)
+                          mode="sampled", seed=int(env.eval_seed), corners=corners,
+                          on_turn=progress.on_turn(f"{split} sampled") if progress else None)
         report.results.append(res)
     if gif_dir and greedy_trajs and "image" in env.observation:
         wins = [i for i, t in enumerate(greedy_trajs) if t.success]
@@ -422,6 +469,7 @@ def run_eval(
     *,
     gifs: int = 4,
     split: str = "held-out",
+    progress: EvalProgress | None = None,
 ) -> EvalReport:
     """Evaluate a model (and optional LoRA adapter) on the job's held-out mazes (or, with ``split="training"``, on as
     many mazes on training layouts): :func:`load_engine` then :func:`evaluate_split` (arguments as there).
@@ -434,4 +482,4 @@ def run_eval(
     _check_request(greedy, sampled, split)
     engine = load_engine(job, model_path, adapter_path)
     return evaluate_split(engine, job, split, greedy, sampled, gif_dir, n, gifs=gifs, model_path=model_path,
-                          adapter_path=adapter_path)
+                          adapter_path=adapter_path, progress=progress)

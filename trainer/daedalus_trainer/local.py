@@ -105,7 +105,7 @@ def _cached_evaluation(console, job, model_path: str, adapter_path: str | None, 
         if stale and all(ev is not None for ev in cached):
             console.print(stale)
     console.rule(title)
-    evaluated = _evaluate(job, model_path, adapter_path)
+    evaluated = _evaluate(job, model_path, adapter_path, console)
     for ev, path in zip(evaluated, files):
         ev["start_fingerprint"] = fingerprint
         atomic_write_json(path, ev)
@@ -133,17 +133,18 @@ def _kept_timings(report_file: Path, steps: int) -> tuple[float, float] | None:
     return float(timings[0]), float(timings[1])
 
 
-def _evaluate(job, model_path: str, adapter_path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _evaluate(job, model_path: str, adapter_path: str | None, console=None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(held-out, training-layout)`` evaluation reports as dicts: the policy is loaded once; greedy and sampled on
-    the held-out mazes, greedy on as many mazes on training layouts."""
+    the held-out mazes, greedy on as many mazes on training layouts; each pass's progress on ``console``."""
     from daedalus_trainer import evaluation
 
     engine = evaluation.load_engine(job, model_path, adapter_path)
-    held_out, training = (
-        evaluation.evaluate_split(engine, job, split, greedy=True, sampled=split == "held-out",
-                                  model_path=model_path, adapter_path=adapter_path)
-        for split in ("held-out", "training")
-    )
+    with evaluation.EvalProgress(console) as progress:
+        held_out, training = (
+            evaluation.evaluate_split(engine, job, split, greedy=True, sampled=split == "held-out",
+                                      model_path=model_path, adapter_path=adapter_path, progress=progress)
+            for split in ("held-out", "training")
+        )
     return json.loads(held_out.to_json()), json.loads(training.to_json())
 
 

@@ -12,7 +12,7 @@ Episodes of a batch run in lockstep: at each turn the still-running episodes' pr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +139,7 @@ def run_episodes(
     sampling: SamplingParams,
     *,
     seed: int | None = None,
+    on_turn: Callable[[int, int, int, int], None] | None = None,
 ) -> list[Trajectory]:
     """Play one episode per maze with ``engine`` and return the trajectories in the order of ``mazes``.
 
@@ -149,6 +150,9 @@ def run_episodes(
             cell_pixels).
         sampling: decoding settings; its ``seed`` is ignored in favour of ``seed``.
         seed: when given, turn ``k``'s batch is sampled with seed ``seed * 1_000_003 + k`` (reproducible rollouts).
+        on_turn: called after every turn (all playing episodes take their turn in one batch) with ``(turns played,
+            the longest turn limit of the mazes, episodes ended, episodes)``: progress for evaluations that take
+            tens of seconds. It does not change what is played.
 
     Every turn counts towards the limit, including replies that cannot be parsed (the environment answers with the
     parse-failure feedback, which the next prompt shows) and wall bumps.
@@ -171,6 +175,7 @@ def run_episodes(
                                        adapter_version=version))
     active = list(range(len(mazes)))
     turn = 0
+    limit = max((t.max_turns for t in trajectories), default=0)
     while active:
         convs, imgs = [], []
         for i in active:
@@ -207,4 +212,6 @@ def run_episodes(
                 still.append(i)
         active = still
         turn += 1
+        if on_turn is not None:
+            on_turn(turn, limit, len(mazes) - len(active), len(mazes))
     return trajectories
