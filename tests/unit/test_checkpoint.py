@@ -300,6 +300,7 @@ def test_all_corrupt_raises_and_empty_root_returns_none(tmp_path: Path) -> None:
     with pytest.raises(CheckpointCorruptError, match="none of the 2 checkpoint") as exc:
         load_latest(root)
     assert {p.name for p in exc.value.problems} == {"step-000001", "step-000002"}
+    assert "`--resume none`" in str(exc.value) and "never deleted" in str(exc.value)  # the way on, by name
 
 
 def test_keep_n_rotation_never_deletes_latest(tmp_path: Path) -> None:

@@ -825,8 +825,10 @@ def load_latest(root: str | os.PathLike[str]) -> LoadedCheckpoint | None:
             log.warning("checkpoint %s rejected: %s: %s (%s); falling back to %s", path, p.file, p.reason, p.detail,
                         fallback)
     raise CheckpointCorruptError(
-        f"none of the {len(candidates)} checkpoint(s) under {root} verifies; refusing to start from scratch "
-        f"(move them away or resume from an explicit PATH)",
+        f"none of the {len(candidates)} checkpoint(s) under {root} verifies; refusing to start from scratch. To "
+        "start over, run again with `--resume none` (they are renamed abandoned-step-*, never deleted); to continue "
+        "from another copy, `--resume PATH`; on a cluster, move the directory aside or create the job under a new "
+        "name",
         rejected,
     )
 
