@@ -219,7 +219,7 @@ METADATA_INVALID = [
      f"String should have at most 63 characters (got '{'a' * 64}', 64 characters)"),
     ({"name": "x", "labels": {"a": 1}}, "metadata.labels",
      "the value of 'a' must be a string; got the number 1 (quote it)"),
-    ({"name": "x", "labels": {"a": True}}, "metadata.labels", "got the boolean True (quote it)"),
+    ({"name": "x", "labels": {"a": True}}, "metadata.labels", "got the boolean true (quote it)"),
     ({"name": "x", "labels": {"a": None}}, "metadata.labels", "the value of 'a' is empty"),
     ({"name": "x", "labels": {"bad key": "v"}}, "metadata.labels", "'bad key' is not a valid key"),
     ({"name": "x", "labels": {"Example.com/a": "v"}}, "metadata.labels", "its prefix 'Example.com' must be"),

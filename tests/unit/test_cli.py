@@ -384,6 +384,9 @@ def test_messages_name_the_value_and_the_rule():
         (("metadata", "name"), False, "metadata.name", "valid string", "(got the boolean false: quote it; YAML reads "
          "unquoted yes, no, on, off, true and false as booleans)"),
         (("spec", "model", "name"), 7, "spec.model.name", "valid string", "(got the number 7: quote it)"),
+        # booleans and nulls as the YAML wrote them, not as Python prints them ("got True", "got None")
+        (("spec", "algorithm", "steps"), True, "spec.algorithm.steps", "valid integer", "(got true)"),
+        (("spec", "algorithm", "learningRate"), None, "spec.algorithm.learningRate", "valid number", "(got null)"),
     ]
     for where, value, path, rule, shown in cases:
         job = tiny_job_dict()

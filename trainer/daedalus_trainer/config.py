@@ -672,7 +672,12 @@ _SHORT_REPR.maxstring = _SHORT_REPR.maxother = _SHORT_REPR.maxlong = 200
 def _shown(value: Any) -> str:
     """``repr(value)`` for an error message; a list or mapping is cut to its first 4 items and 2 levels (``[...]``,
     ``...``), reading only what is shown, so a large value, or YAML aliases nested into a billion strings, cannot
-    make the message megabytes long (or its formatting hang). Strings are shown whole."""
+    make the message megabytes long (or its formatting hang). Strings are shown whole; a boolean or null as YAML
+    writes it (``true``, ``false``, ``null``), not as Python does."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
     return repr(value) if isinstance(value, str) else _SHORT_REPR.repr(value)
 
 
