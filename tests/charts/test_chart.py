@@ -147,6 +147,14 @@ def test_schema_rejects_bad_values(chart: Helm, values: dict[str, Any], message:
     assert message in chart.template_error(values)
 
 
+def test_the_health_and_metrics_ports_must_differ(chart: Helm) -> None:
+    """kopf's liveness endpoint and the metrics server bind separately: one port for both fails at the operator's
+    start (address in use), so the chart refuses it when rendering."""
+    err = chart.template_error({"operator": {"healthPort": 9090, "metricsPort": 9090}})
+    assert "operator.healthPort and operator.metricsPort are both 9090" in err
+    chart.template({"operator": {"healthPort": 9091, "metricsPort": 9090}})  # distinct ports render
+
+
 def test_servicemonitor_requires_the_service(chart: Helm) -> None:
     err = chart.template_error({"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}})
     assert "needs metrics.service.enabled" in err
