@@ -658,3 +658,28 @@ def test_a_damaged_model_or_adapter_directory_is_one_line_naming_it(tiny_checkpo
         load_pretrained(tiny_checkpoint, "float32", "cpu").load_adapter(bad_adapter)
     with pytest.raises(ModelLoadError, match="has adapter_config.json but no weights"):
         policy.load_adapter(bad_adapter)  # replacing the weights of an attached adapter
+
+
+def test_field_errors_say_the_cross_field_rules_were_not_checked(tmp_path, capsys):
+    """The cross-field rules run only on a spec whose fields validate: with a field error, `validate` says they were
+    not checked (as the API server does), then, the field fixed, reports the rule the spec also breaks; a spec whose
+    only problem is a rule shows no such note. The errors themselves (the operator's condition) hold no note."""
+    broken = _example_with("mazesPerStep: 8", "mazesPerStep: 8\n    miniBatches: 3").replace(
+        "groupSize: 8", "groupSize: eight", 1)
+    assert cli.main(["validate", str(_write(tmp_path, broken))]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 error(s)" in out and "spec.algorithm.groupSize: Input should be a valid integer" in out
+    assert "(the cross-field rules (the CRD's x-kubernetes-validations) were not checked because of the errors " \
+           "above; correct them to complete validation)" in out
+    with pytest.raises(c.SpecError) as info:
+        c.load_job(_write(tmp_path, broken))
+    assert [p for p, _ in info.value.errors] == ["spec.algorithm.groupSize"] and info.value.note == \
+        c.CROSS_FIELD_NOT_CHECKED and c.CROSS_FIELD_NOT_CHECKED in str(info.value)
+    rule_only = _example_with("mazesPerStep: 8", "mazesPerStep: 8\n    miniBatches: 3")
+    assert cli.main(["validate", str(_write(tmp_path, rule_only))]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "spec.algorithm.miniBatches: algorithm.miniBatches must divide algorithm.mazesPerStep" in out
+    assert "not checked" not in out
+    with pytest.raises(c.SpecError) as info:
+        c.load_job(_write(tmp_path, rule_only))
+    assert info.value.note is None

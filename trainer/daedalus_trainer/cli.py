@@ -68,14 +68,15 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         duplicates = duplicate_name_errors(docs)
         for i, doc in enumerate(docs):
             where = f if len(docs) == 1 else f"{f} (RLTrainingJob document {i + 1} of {len(docs)})"
-            errors = []
+            errors, note = [], None
             try:
                 job = parse_job(doc, source=f)
             except SpecError as exc:
                 errors.extend(exc.errors)
+                note = exc.note
             errors.extend(duplicates.get(i, []))
             if errors:
-                _print_errors(console, where, errors)
+                _print_errors(console, where, errors, note)
                 status = 1
                 continue
             name = escape(repr(job.metadata.name))
@@ -83,14 +84,17 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return status
 
 
-def _print_errors(console, where: str, errors) -> None:
-    """Every error with its field path; messages are printed literally (rich markup in them is escaped)."""
+def _print_errors(console, where: str, errors, note: str | None = None) -> None:
+    """Every error with its field path, then ``note`` (what they kept from being checked); messages are printed
+    literally (rich markup in them is escaped)."""
     from rich.markup import escape
 
     console.print(f"[red]✗[/red] {escape(where)}: {len(errors)} error(s)")
     for path, msg in errors:
         text = escape(str(msg)).replace("\n", "\n        ")  # a YAML error's lines under its first one
         console.print(f"    [bold]{escape(str(path))}[/bold]: {text}")
+    if note:
+        console.print(f"    ({escape(note)})")
 
 
 def _cmd_maze(args: argparse.Namespace) -> int:

@@ -883,12 +883,13 @@ CEL_RULES: list[CelRule] = [
 
 # ------------------------------------------------------------------------------------------------------------ loading
 class SpecError(ValueError):
-    """An invalid RLTrainingJob. ``errors`` holds one ``(field path, message)`` pair per problem."""
+    """An invalid RLTrainingJob. ``errors`` holds one ``(field path, message)`` pair per problem; ``note``, when set,
+    says what was not checked because of them (:data:`CROSS_FIELD_NOT_CHECKED`), shown after the errors."""
 
-    def __init__(self, errors: list[tuple[str, str]], source: str = "RLTrainingJob"):
-        self.errors = errors
+    def __init__(self, errors: list[tuple[str, str]], source: str = "RLTrainingJob", *, note: str | None = None):
+        self.errors, self.note = errors, note
         lines = "\n".join(f"  {p}: " + str(m).replace("\n", "\n      ") for p, m in errors)
-        super().__init__(f"{source}: {len(errors)} error(s)\n{lines}")
+        super().__init__(f"{source}: {len(errors)} error(s)\n{lines}" + (f"\n  ({note})" if note else ""))
 
 
 class ManifestLoader(yaml.SafeLoader):
@@ -1006,6 +1007,12 @@ def _unquoted(value: Any) -> Any:
     return parsed if isinstance(parsed, (bool, int, float)) else None
 
 
+#: :attr:`SpecError.note` when field errors kept the cross-field rules (:data:`CEL_RULES`) from being checked; the
+#: API server adds the like ("some validation rules were not checked because the object was invalid", apiextensions-
+#: apiserver's hasBlockingErr) when schema errors keep it from evaluating a CRD's x-kubernetes-validations.
+CROSS_FIELD_NOT_CHECKED = ("the cross-field rules (the CRD's x-kubernetes-validations) were not checked because of the "
+                           "errors above; correct them to complete validation")
+
 #: The error for a job without ``metadata.name`` (every command needs one: :class:`ObjectMeta`).
 NAME_REQUIRED = ("the API server rejects an object without a name, and local runs keep their files under it "
                  "(runs/<name>/, <checkpoint.path>/<namespace>/<name>/)")
@@ -1108,7 +1115,10 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
     except ValidationError as exc:
         reported = {path for path, _ in errors}  # apiVersion, kind, spec: our messages above say more
         errors.extend(e for e in _errors_from(exc) if e[0] not in reported)
-        raise SpecError(errors, source) from None
+        # The cross-field rules (RLTrainingJobSpec._cross_field) run only on a spec whose fields all validate; say
+        # so, as the API server does when its schema errors keep it from evaluating the x-kubernetes-validations.
+        spec_fields_failed = any(len(e["loc"]) > 1 and e["loc"][0] == "spec" for e in exc.errors())
+        raise SpecError(errors, source, note=CROSS_FIELD_NOT_CHECKED if spec_fields_failed else None) from None
     if status is not None:
         try:
             job.status = RLTrainingJobStatus.model_validate(status, by_alias=True)
