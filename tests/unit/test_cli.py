@@ -126,6 +126,7 @@ def test_train_rejects_a_resume_path_before_ray_starts(tmp_path, capsys, monkeyp
     from daedalus_trainer.checkpoint import AdapterState, CheckpointManager, TrainerState, capture_rng_state
 
     monkeypatch.setenv("DAEDALUS_METRICS_PORT", "0")
+    ray_before = ray.is_initialized()  # an earlier test of the session may have left this process's Ray running
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(tiny_job_dict()))
     out = tmp_path / "train"
@@ -142,7 +143,7 @@ def test_train_rejects_a_resume_path_before_ray_starts(tmp_path, capsys, monkeyp
         TrainerState(sampler={}, rng=capture_rng_state(), metric_history=[]))
     assert cli.main(["train", "--config", str(job_file), "--out", str(out), "--resume", str(info.path)]) == 2
     assert "r: checkpoint 4, this run 16" in capsys.readouterr().err.splitlines()[-1]
-    assert not out.exists() and not ray.is_initialized()
+    assert not out.exists() and ray.is_initialized() == ray_before
 
 
 def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkeypatch):
