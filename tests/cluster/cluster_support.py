@@ -305,6 +305,16 @@ class Release:
     kubeconfig: Path
 
 
+def may(api_client, verb: str, group: str, resource: str, subresource: str, namespace: str) -> bool:
+    """The real RBAC authorizer's answer for the caller of ``api_client`` (SelfSubjectAccessReview)."""
+    from kubernetes import client
+
+    attrs = client.V1ResourceAttributes(verb=verb, group=group, resource=resource, subresource=subresource or None,
+                                        namespace=namespace)
+    review = client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(resource_attributes=attrs))
+    return client.AuthorizationV1Api(api_client).create_self_subject_access_review(review).status.allowed
+
+
 def helm(binary: str, plane: ControlPlane, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
     """Run ``helm ARGS --kubeconfig <admin>`` against the plane (HOME-independent caches under the plane's dir)."""
     cache = plane.dir / "helm"
@@ -574,3 +584,4 @@ def missing_paths(sent: Any, got: Any, path: str = "") -> list[str]:
             return [path or "."]
         return [p for i, item in enumerate(sent) for p in missing_paths(item, got[i], f"{path}[{i}]")]
     return []
+

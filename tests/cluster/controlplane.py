@@ -57,6 +57,16 @@ CONTROLLERS = ("garbagecollector", "namespace", "serviceaccount-token", "service
 #: Issuer written into service-account tokens (``--service-account-issuer``); also the only API audience.
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc"
 ADMIN_USER = "daedalus-admin"
+#: kube-apiserver's audit policy: one ``Metadata`` event (who, verb, resource, namespace, response code) per request
+#: of a ServiceAccount, written when the response is complete; nothing for other users (the admin, the controller
+#: manager). ``ControlPlane.audit_events`` reads them: the only record of a 403 that a client swallowed, since
+#: kube-apiserver 1.20 does not count requests refused by the authorizer in ``apiserver_request_total``.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived", "ResponseStarted"],
+    "rules": [{"level": "Metadata", "userGroups": ["system:serviceaccounts"]}, {"level": "None"}],
+}
 
 
 class ControlPlaneUnavailable(RuntimeError):
@@ -252,7 +262,8 @@ class ControlPlane:
 
     Use as a context manager or call `start` / `stop`. After `start`: `server` (``https://127.0.0.1:<port>``),
     `kubeconfig` (admin, ``system:masters``), `ca_file`, `startup_seconds` (wall time of `start`) and
-    `startup_phases` (seconds per phase: pki, etcd, kube-apiserver, crds, kube-controller-manager).
+    `startup_phases` (seconds per phase: pki, etcd, kube-apiserver, crds, kube-controller-manager). ServiceAccounts'
+    requests are audited (`AUDIT_POLICY`, `audit_events`).
 
     Args:
         binaries: from `find_binaries` (default: looked up at construction).
@@ -432,6 +443,29 @@ class ControlPlane:
         self._write_kubeconfig(path, user, {"token": answer.status.token}, namespace=namespace)
         return path
 
+    def audit_events(self, user: str | None = None) -> list[dict]:
+        """kube-apiserver's audit events so far (`AUDIT_POLICY`: ServiceAccounts' requests, each once its response
+        is complete), oldest first; only those of ``user`` (e.g. ``system:serviceaccount:NS:NAME``) when given.
+
+        Each is an ``audit.k8s.io/v1`` Event: ``verb``, ``user.username``, ``objectRef`` (resource, namespace,
+        apiGroup, subresource, name), ``responseStatus.code`` (403: refused by the authorizer). The log backend
+        writes an event before the response goes out, so a request answered before this call is in the list.
+        """
+        import json
+
+        path = self.dir / "logs" / "audit.log"
+        if not path.exists():
+            return []
+        events = []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:  # a line being written
+                continue
+            if user is None or event.get("user", {}).get("username") == user:
+                events.append(event)
+        return events
+
     def log_tail(self, component: str, lines: int = 30) -> str:
         """The last ``lines`` lines of a component's log ("etcd", "kube-apiserver", "kube-controller-manager")."""
         path = self._logs.get(component)
@@ -492,6 +526,8 @@ class ControlPlane:
         raise ControlPlaneError(f"etcd not healthy in time:\n{self.log_tail('etcd')}")
 
     def _start_apiserver(self, pki: _Pki, etcd_url: str, port: int) -> None:
+        policy = self.dir / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump(AUDIT_POLICY))
         self._spawn(
             "kube-apiserver",
             [
@@ -514,6 +550,10 @@ class ControlPlane:
                 "--service-cluster-ip-range=10.96.0.0/24",
                 "--endpoint-reconciler-type=none",
                 "--profiling=false",
+                f"--audit-policy-file={policy}",
+                f"--audit-log-path={self.dir / 'logs' / 'audit.log'}",
+                "--audit-log-format=json",
+                "--audit-log-mode=blocking",
                 "--v=1",
             ],
         )

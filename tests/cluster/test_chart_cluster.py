@@ -24,6 +24,7 @@ from cluster_support import (
     example,
     helm,
     helm_install,
+    may,
 )
 from daedalus_trainer.config import RLTrainingJobStatus, parse_job
 from fake_kuberay import wait_for
@@ -102,14 +103,6 @@ NOT_GRANTED = [
     ("create", "events.k8s.io", "events", ""),
     ("get", "apiextensions.k8s.io", "customresourcedefinitions", ""),
 ]
-
-
-def may(api_client, verb: str, group: str, resource: str, subresource: str, namespace: str) -> bool:
-    """The real RBAC authorizer's answer for the caller of ``api_client`` (SelfSubjectAccessReview)."""
-    attrs = client.V1ResourceAttributes(verb=verb, group=group, resource=resource, subresource=subresource or None,
-                                        namespace=namespace)
-    review = client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(resource_attributes=attrs))
-    return client.AuthorizationV1Api(api_client).create_self_subject_access_review(review).status.allowed
 
 
 def rule_verbs(role: dict, group: str, resource: str) -> set[str]:
