@@ -94,9 +94,9 @@ def test_run_rejects_a_resume_path_without_a_checkpoint_before_sft(tmp_path):
     assert not (tmp_path / "runs" / job["metadata"]["name"] / "sft").exists()  # SFT never started
 
 
-def test_run_rejects_a_resume_checkpoint_of_another_adapter_before_sft(tmp_path, capsys):
-    """`--resume PATH` whose checkpoint holds a rank-4 adapter, for a job that trains rank 16: refused in seconds,
-    before SFT, Ray or the run directory, naming both values."""
+def _rank4_checkpoint(root: Path) -> Path:
+    """A GRPO checkpoint (step 5) under ``root`` holding a rank-4 LoRA adapter (alpha 8, q/v): another adapter than
+    the tiny jobs train (rank 16, alpha 32). Returns the checkpoint's directory."""
     import torch
 
     from daedalus_trainer.checkpoint import AdapterState, CheckpointManager, TrainerState, capture_rng_state
@@ -104,13 +104,18 @@ def test_run_rejects_a_resume_checkpoint_of_another_adapter_before_sft(tmp_path,
     lora = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
             "task_type": "CAUSAL_LM"}
     tensors = {"base_model.model.x.lora_A.weight": torch.zeros(4, 8), "base_model.model.x.lora_B.weight": torch.zeros(8, 4)}
-    info = CheckpointManager(tmp_path / "other" / "checkpoints").save(
-        5, AdapterState(tensors, lora), {"state": {}, "param_groups": []},
-        TrainerState(sampler={}, rng=capture_rng_state(), metric_history=[]))
+    return CheckpointManager(root).save(5, AdapterState(tensors, lora), {"state": {}, "param_groups": []},
+                                        TrainerState(sampler={}, rng=capture_rng_state(), metric_history=[])).path
+
+
+def test_run_rejects_a_resume_checkpoint_of_another_adapter_before_sft(tmp_path, capsys):
+    """`--resume PATH` whose checkpoint holds a rank-4 adapter, for a job that trains rank 16: refused in seconds,
+    before SFT, Ray or the run directory, naming both values."""
+    checkpoint = _rank4_checkpoint(tmp_path / "other" / "checkpoints")
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(tiny_job_dict()))
     runs = tmp_path / "runs"
-    assert cli.main(["run", str(job_file), "--runs-dir", str(runs), "--resume", str(info.path), "--port", "0"]) == 2
+    assert cli.main(["run", str(job_file), "--runs-dir", str(runs), "--resume", str(checkpoint), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "r: checkpoint 4, this run 16" in err and "lora_alpha: checkpoint 8.0, this run 32.0" in err
     assert not runs.exists()
@@ -121,9 +126,6 @@ def test_train_rejects_a_resume_path_before_ray_starts(tmp_path, capsys, monkeyp
     one `error:` line, exit 2, before Ray starts or the job directory is created (before, Ray, the metrics server
     and the tiny base model were started first, and the run directory was left behind)."""
     import ray
-    import torch
-
-    from daedalus_trainer.checkpoint import AdapterState, CheckpointManager, TrainerState, capture_rng_state
 
     monkeypatch.setenv("DAEDALUS_METRICS_PORT", "0")
     ray_before = ray.is_initialized()  # an earlier test of the session may have left this process's Ray running
@@ -135,13 +137,8 @@ def test_train_rejects_a_resume_path_before_ray_starts(tmp_path, capsys, monkeyp
     assert cli.main(["train", "--config", str(job_file), "--out", str(out), "--resume", str(empty)]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"error: resume path {empty} holds no checkpoint (no " \
         "step-NNNNNN directory)"
-    lora = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
-            "task_type": "CAUSAL_LM"}
-    tensors = {"base_model.model.x.lora_A.weight": torch.zeros(4, 8), "base_model.model.x.lora_B.weight": torch.zeros(8, 4)}
-    info = CheckpointManager(tmp_path / "other" / "checkpoints").save(
-        5, AdapterState(tensors, lora), {"state": {}, "param_groups": []},
-        TrainerState(sampler={}, rng=capture_rng_state(), metric_history=[]))
-    assert cli.main(["train", "--config", str(job_file), "--out", str(out), "--resume", str(info.path)]) == 2
+    checkpoint = _rank4_checkpoint(tmp_path / "other" / "checkpoints")
+    assert cli.main(["train", "--config", str(job_file), "--out", str(out), "--resume", str(checkpoint)]) == 2
     assert "r: checkpoint 4, this run 16" in capsys.readouterr().err.splitlines()[-1]
     assert not out.exists() and ray.is_initialized() == ray_before
 
