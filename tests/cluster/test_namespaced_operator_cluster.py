@@ -163,6 +163,11 @@ def test_a_namespaced_operator_reconciles_only_its_namespaces_with_the_charts_ro
             fake.stop()
         for ns in (*watched, unwatched):
             jobs[ns].release_finalizers()
+            # No operator runs now, so the job goes at once. Left to the namespace's deletion it would linger, and
+            # the next file's cluster-wide operator would adopt it (its status writes break that file's quiet
+            # window; df9f8aa, test_chart_cluster.py).
+            admin.delete("daedalus.dev/v1alpha1/rltrainingjobs", ns, "local-tiny")
+            wait_for(lambda ns=ns: jobs[ns].get("local-tiny") is None, timeout=10, message=f"the job in {ns} to go")
             for pod in admin.list("v1/pods", ns):  # no kubelet: complete their deletion so the namespace can go
                 admin.force_delete("v1/pods", ns, pod["metadata"]["name"])
         if admin.get("v1/nodes", None, node):
