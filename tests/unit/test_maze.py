@@ -586,6 +586,8 @@ def test_cli_main_other_format_and_errors(tmp_path, capsys) -> None:
     assert "odd" in capsys.readouterr().err
     assert maze_cli.run(9, -1, None) == 2
     assert maze_cli.run(9, 1, None, cell_px=1) == 2
+    assert maze_cli.run(8, 1, str(tmp_path / "new" / "sub" / "m.png")) == 2  # refused arguments create no --out dir
+    assert not (tmp_path / "new").exists()
     capsys.readouterr()
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -41,14 +41,6 @@ def run(size: int, seed: int, out: str | None, cell_px: int = 25, action_format:
     """
     from daedalus_trainer.usage import UsageError, make_dir
 
-    if out is not None:  # before the maze is printed: the one line that says why is not lost above it
-        try:
-            if Path(out).is_dir():
-                raise UsageError(f"--out {out} is a directory; give the path of the PNG file to write")
-            make_dir(Path(out).parent, "--out")
-        except UsageError as err:
-            print(f"daedalus maze: {err}", file=sys.stderr)
-            return 2
     try:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
@@ -61,6 +53,14 @@ def run(size: int, seed: int, out: str | None, cell_px: int = 25, action_format:
         text = str(err).replace("cell_px", "--cell-px").replace("maze size", "--size").replace("seed must", "--seed must")
         print(f"daedalus maze: {text}", file=sys.stderr)
         return 2
+    if out is not None:  # after the arguments (a refused call creates no directory), before the maze is printed
+        try:
+            if Path(out).is_dir():
+                raise UsageError(f"--out {out} is a directory; give the path of the PNG file to write")
+            make_dir(Path(out).parent, "--out")
+        except UsageError as err:
+            print(f"daedalus maze: {err}", file=sys.stderr)
+            return 2
     print(
         f"Maze {maze.size}x{maze.size}, seed {seed}, layout {maze.layout_hash()}, start {maze.start}, "
         f"goal {maze.goal}, shortest path {len(moves)} moves"
