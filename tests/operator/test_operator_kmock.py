@@ -125,6 +125,23 @@ def test_deletion_releases_the_finalizer_and_deletes_children(env: OperatorEnv) 
     assert 'job="local-tiny"' not in text  # the job's series are dropped
 
 
+@pytest.mark.parametrize("env", [("--poll-budget", "0")], indirect=True)  # every tick reconciles
+def test_a_deletion_during_a_timer_reconcile_releases_the_job_within_seconds(env: OperatorEnv) -> None:
+    """The poll timer's reconcile runs in a worker thread: a deletion that lands while one runs cannot stop the timer
+    at once, and kopf checks again before releasing the finalizer only after ``cancellation_polling`` (60 s by
+    default; the cluster tier saw a job still there 40 s after its delete). Here the timer's GET of the job is held
+    2 s by the API server when the job is deleted: the job must be gone within seconds of the GET's answer."""
+    env.apply(env.job_manifest())
+    wait_for(lambda: all(children(env).values()), timeout=30, message="children")
+    held = env.api.fault("GET", "rltrainingjobs", name="local-tiny", status=0, delay=2.0, times=1)
+    wait_for(lambda: held.hits, timeout=10, interval=0.01, message="a reconcile's GET of the job to be held")
+    deleted = time.monotonic()
+    env.kube.delete("daedalus.dev/v1alpha1/rltrainingjobs", "ml", "local-tiny")
+    wait_for(lambda: env.get_job() is None, timeout=90, message="the job to be gone")
+    took = time.monotonic() - deleted
+    assert took < 15.0, f"the job went {took:.1f} s after its delete"
+
+
 @pytest.mark.parametrize("env", [("--deletion-timeout", "3")], indirect=True)
 def test_deletion_is_bounded_when_cleanup_keeps_failing(env: OperatorEnv) -> None:
     env.apply(env.job_manifest())
