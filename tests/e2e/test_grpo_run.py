@@ -122,6 +122,31 @@ def test_stop_right_after_a_resume_answers_with_the_checkpoint_resumed_from(unin
     assert answer.path.endswith("step-000003")
 
 
+def test_a_checkpoint_verified_by_the_caller_is_not_verified_again(uninterrupted, sft_start, tmp_path):
+    """`daedalus train/run --resume PATH` read and verify the checkpoint before Ray starts and hand the Trainer the
+    LoadedCheckpoint: it resumes from it without hashing the files a second time. Here the manifest on disk is made to
+    list a missing file after the caller's verification, so a second verification would refuse the run; the same
+    directory resumed by path is refused."""
+    import json
+    import shutil
+
+    from daedalus_trainer.checkpoint import CheckpointCorruptError, resolve_resume
+
+    job, run, _ = uninterrupted
+    shutil.copytree(run / "checkpoints" / "step-000003", tmp_path / "checkpoints" / "step-000003")
+    loaded = resolve_resume(str(tmp_path / "checkpoints" / "step-000003"), tmp_path / "checkpoints")
+    manifest = tmp_path / "checkpoints" / "step-000003" / "MANIFEST.json"
+    doc = json.loads(manifest.read_text())
+    doc["files"].append({"path": "not-there.bin", "bytes": 1, "sha256": "0" * 64})
+    manifest.write_text(json.dumps(doc))
+    trainer = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2)
+    trainer.control.request_checkpoint(stop=True)
+    result = trainer.train(loaded)
+    assert result.stopped and result.resumed_from == 3 and result.steps_done == 3
+    with pytest.raises(CheckpointCorruptError, match="not-there.bin"):
+        Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2).train(str(loaded.path))
+
+
 def test_resume_with_another_rollout_worker_count_warns(uninterrupted, sft_start, tmp_path, caplog):
     """The checkpoint's run had 2 rollout workers, this one 1: the mazes stay the same but the tokens do not (each
     worker samples its batch under its own seed), so the resume says it will not be bit-for-bit."""

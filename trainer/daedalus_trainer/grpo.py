@@ -22,9 +22,12 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from daedalus_trainer.checkpoint import LoadedCheckpoint
 
 ADVANTAGE_EPS = 1e-6
 LOG_RATIO_CLAMP = 20.0  # verl compute_policy_loss: exp() of at most e^20 ~ 4.9e8, never inf in float32
@@ -443,8 +446,12 @@ class Trainer:
                    for _ in range(layout.workers)]
         return learner, workers
 
-    def train(self, resume: str = "latest") -> TrainResult:
+    def train(self, resume: str | LoadedCheckpoint = "latest") -> TrainResult:
         """Run from the checkpoint ``resume`` names (``latest`` | ``none`` | a checkpoint path) to ``algorithm.steps``.
+
+        ``resume`` may also be a checkpoint the caller has already read and verified
+        (:func:`~daedalus_trainer.checkpoint.resolve_resume`, as ``daedalus train`` and ``daedalus run`` do for a
+        ``--resume PATH`` before Ray starts): it is used as it is, not hashed a second time.
 
         Raises:
             daedalus_trainer.checkpoint.CheckpointCorruptError: the checkpoint to resume from fails verification
@@ -473,7 +480,8 @@ class Trainer:
             from daedalus_trainer.policy import resolve_base_dir
 
             resolve_base_dir(job.spec.model, self.work_dir)
-        loaded = manager.resume(resume)  # before the actors start: a bad --resume fails in a second, not minutes
+        # before the actors start: a bad --resume fails in a second, not minutes
+        loaded = manager.resume(resume) if isinstance(resume, str) else resume
         identity = run_identity(job, self.start_dir)
         if loaded is not None:
             check_adapter_matches(loaded.load_adapter_config(), self._expected_adapter(), loaded.path)
@@ -876,17 +884,21 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     host = os.environ.get("DAEDALUS_METRICS_HOST", "0.0.0.0")
     check_port_free(host, port, "DAEDALUS_METRICS_PORT")
     target = Path(out_dir) if out_dir else run_dir_for(job)
+    start: str | LoadedCheckpoint = resume
     if resume not in ("latest", "none"):  # a checkpoint PATH: verified now, not after Ray and the model start
         from daedalus_trainer.checkpoint import resolve_resume
 
-        check_resumed_adapter(job, resolve_resume(resume, target / "checkpoints"))
+        loaded = resolve_resume(resume, target / "checkpoints")
+        if loaded is not None:  # always, for a PATH (resolve_resume raises instead)
+            check_resumed_adapter(job, loaded)
+            start = loaded  # the Trainer takes it as verified: the checkpoint is not hashed twice
     run_dir = make_dir(target, "--out" if out_dir else "checkpoint.path")
     init_ray(local=False)
     trainer = Trainer(job, run_dir)
     trainer.control.set_status(attempt=attempt)
     with TrainerServer(trainer.metrics, trainer.control, host=host, port=port):
         try:
-            result = trainer.train(resume=resume)
+            result = trainer.train(resume=start)
         except BaseException:
             trainer.control.set_status(phase="failed")
             raise

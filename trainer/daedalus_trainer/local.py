@@ -26,9 +26,12 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daedalus_trainer.usage import make_dir
+
+if TYPE_CHECKING:
+    from daedalus_trainer.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger("daedalus.local")
 
@@ -197,6 +200,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
             return refuse(f"model.path {base!r} holds no Hugging Face checkpoint (config.json) on this machine, "
                           "and model.sftAdapter is an adapter that needs it as its base model; Daedalus never "
                           "downloads models at run time: copy the checkpoint there")
+    start: str | LoadedCheckpoint = resume  # what the Trainer resumes from: a --resume PATH is read once, here
     if resume != "latest":
         # A GRPO checkpoint path is verified now, not after SFT and an evaluation (the trainer moves the checkpoints
         # it will not continue aside once it has accepted it), its adapter included. With `none`, the old run's GRPO
@@ -212,6 +216,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                 manager.abandon_other_timelines(None)
             else:
                 check_resumed_adapter(job, loaded)
+                start = loaded
         except CheckpointError as exc:
             return refuse(f"--resume {resume}: {exc}")
     make_dir(run_dir, "--runs-dir")
@@ -264,7 +269,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     with TrainerServer(trainer.metrics, trainer.control, host="127.0.0.1", port=port) as server:
         console.print(f"metrics and status: {server.url}/metrics  {server.url}/status")
         with progress:
-            result = trainer.train(resume=resume)
+            result = trainer.train(resume=start)
     import ray
 
     ray.shutdown()
