@@ -484,18 +484,19 @@ def run_identity(job: Any) -> dict[str, Any]:
     return flat
 
 
-def check_same_run(ckpt: Path, job: Any) -> None:
+def check_same_run(ckpt: Path, job: Any, state: SFTState | None = None) -> None:
     """Refuse to continue, or to hand back as finished, an SFT run that another job's settings started.
 
-    Compares the :func:`run_identity` kept in ``ckpt/state.json`` with ``job``'s, field by field (fields only one of
-    them has, from another version of Daedalus, are not compared; a checkpoint without an identity passes).
+    Compares the :func:`run_identity` kept in ``ckpt/state.json`` (``state``, when the caller has read it already)
+    with ``job``'s, field by field (fields only one of them has, from another version of Daedalus, are not compared;
+    a checkpoint without an identity passes).
 
     Raises:
         daedalus_trainer.checkpoint.CheckpointError: naming each differing field with both values and the ways on.
     """
     from daedalus_trainer.checkpoint import CheckpointError, identity_differences
 
-    diff = identity_differences(_read_state(ckpt).identity, run_identity(job))
+    diff = identity_differences((state or _read_state(ckpt)).identity, run_identity(job))
     if diff:
         raise CheckpointError(
             f"{ckpt.parent} holds an SFT run started with other settings ({'; '.join(diff)}); continuing or reusing "
@@ -551,16 +552,18 @@ def lr_at(lr: float, step: int, progress: float) -> float:
     return lr * warm * decay
 
 
-def _load_start(job: Any, out_dir: Path, resume: bool) -> tuple[Policy, SFTState, dict | None]:
+def _load_start(job: Any, out_dir: Path, ckpt: Path | None, state: SFTState | None
+                ) -> tuple[Policy, SFTState, dict | None]:
+    """The policy, state and optimizer state to train from: the checkpoint ``ckpt`` with its already read
+    ``state`` (resume), or a fresh start when ``ckpt`` is None."""
     spec = job.spec
-    ckpt = _find_checkpoint(out_dir) if resume else None
     tiny = bool(spec.model.tiny) and not spec.model.sft_adapter
     if ckpt is not None:
         import pickle
 
         from daedalus_trainer.policy import ModelLoadError
 
-        state = _read_state(ckpt)
+        assert state is not None
         try:
             opt_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
         except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # what torch.load says of a damaged file
@@ -640,15 +643,16 @@ def run_sft(
         return st.step >= max_steps or (max_seconds > 0 and st.seconds >= max_seconds)
 
     ckpt = _find_checkpoint(out_dir) if resume else None
+    saved = None
     if ckpt is not None:
-        check_same_run(ckpt, job)
-        saved = _read_state(ckpt)
+        saved = _read_state(ckpt)  # once: the identity check, the finished test and the resume all use it
+        check_same_run(ckpt, job, saved)
         result = finished_result(out_dir, saved.step)
         if result is not None and exhausted(saved):  # finished before: done unless the budget was raised since
             return result
 
     layout_report = check_layouts(spec.environment)
-    policy, state, opt_state = _load_start(job, out_dir, resume)
+    policy, state, opt_state = _load_start(job, out_dir, ckpt, saved)
     state.identity = run_identity(job)
     policy.model.train()
     params = policy.trainable_parameters()
