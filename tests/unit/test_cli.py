@@ -681,3 +681,22 @@ def test_field_errors_say_the_cross_field_rules_were_not_checked(tmp_path, capsy
     with pytest.raises(c.SpecError) as info:
         c.load_job(_write(tmp_path, rule_only))
     assert info.value.note is None
+
+
+@pytest.mark.parametrize("warnings,omp,threads,verbosity", [(True, None, 1, "WARNING"), (False, "2", 2, "ERROR")])
+def test_quiet_single_threaded_torch(warnings, omp, threads, verbosity):
+    """The set-up `daedalus sft`, `eval` and `run` share (in a fresh interpreter: it changes process-wide state):
+    one torch thread unless OMP_NUM_THREADS says otherwise, no transformers or Hub progress bars, and for `run` only
+    transformers' errors."""
+    import subprocess
+    import sys
+
+    code = (f"from daedalus_trainer.usage import quiet_single_threaded_torch as q; q(warnings={warnings})\n"
+            "import os, torch, transformers.utils.logging as t\n"
+            "print(torch.get_num_threads(), t.is_progress_bar_enabled(), t.get_verbosity(), "
+            "os.environ['HF_HUB_DISABLE_PROGRESS_BARS'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    if omp:
+        env["OMP_NUM_THREADS"] = omp
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(threads), "False", str(getattr(logging, verbosity)), "1"]

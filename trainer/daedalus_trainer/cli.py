@@ -109,26 +109,12 @@ def _load(path: str):
     return load_job(path)
 
 
-def _single_threaded_torch() -> None:
-    """One torch thread unless OMP_NUM_THREADS says otherwise: 2 threads were 10-70x slower here when another process
-    was busy (docs/engineering-notes.md, "Torch threads on a shared CPU"). Also turns off transformers' progress
-    bars."""
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    import transformers
-
-    # transformers' own bars (a "Loading weights" bar per model load, "Writing model shards" per save) would
-    # interleave with ours; its warnings stay
-    transformers.utils.logging.disable_progress_bar()
-
-
 def _cmd_sft(args: argparse.Namespace) -> int:
     job = _load(args.config)  # a typo in the YAML is reported before seconds of imports
     from daedalus_trainer import sft
+    from daedalus_trainer.usage import make_dir, quiet_single_threaded_torch
 
-    _single_threaded_torch()
-    from daedalus_trainer.usage import make_dir
+    quiet_single_threaded_torch()
 
     out = make_dir(Path(args.out) if args.out else Path("runs") / job.metadata.name / "sft", "--out")
     model_dir = sft.run_sft(job, out, resume=not args.no_resume)
@@ -163,9 +149,9 @@ def _check_eval_dirs(model: str, adapter: str | None) -> None:
 def _cmd_eval(args: argparse.Namespace) -> int:
     job = _load(args.config)  # a typo in the YAML is reported before seconds of imports
     from daedalus_trainer import evaluation
+    from daedalus_trainer.usage import UsageError, make_dir, quiet_single_threaded_torch
 
-    _single_threaded_torch()
-    from daedalus_trainer.usage import UsageError, make_dir
+    quiet_single_threaded_torch()
 
     eval_set = job.spec.environment.eval_mazes
     if args.mazes is not None and args.mazes > eval_set:  # the sets hold evalMazes mazes: silently fewer, before

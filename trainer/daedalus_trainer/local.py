@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daedalus_trainer.usage import make_dir
+from daedalus_trainer.usage import make_dir, quiet_single_threaded_torch
 
 if TYPE_CHECKING:
     from daedalus_trainer.checkpoint import LoadedCheckpoint
@@ -168,12 +168,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     started = time.perf_counter()
     job = load_job(job_path)  # a typo in the YAML is reported before seconds of imports
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()  # per-save "Writing model shards" bars drown the real ones
-    transformers.utils.logging.set_verbosity_error()
+    quiet_single_threaded_torch(warnings=False)  # per-save "Writing model shards" bars would drown the real ones
     console, errors = Console(), Console(stderr=True, soft_wrap=True, highlight=False)
     run_dir = Path(runs_dir) / job.metadata.name
 
@@ -224,9 +219,6 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                   f"{escape(str(run_dir))}/ "
                   "(local mode: spec.cluster is ignored)")
 
-    import torch
-
-    torch.set_num_threads(1)
     from daedalus_trainer.grpo import Trainer, init_ray
     from daedalus_trainer.server import TrainerServer
 

@@ -90,3 +90,22 @@ def check_port_free(host: str, port: int, what: str) -> None:
         except OSError as exc:
             raise UsageError(f"cannot serve on {host}:{port} ({exc.strerror or exc}); set {what} to a free port") \
                 from None
+
+
+def quiet_single_threaded_torch(*, warnings: bool = True) -> None:
+    """Set up torch and transformers for a command on a laptop-class CPU: one torch thread unless ``OMP_NUM_THREADS``
+    says otherwise (2 threads were 10-70x slower here when another process was busy; docs/engineering-notes.md,
+    "Torch threads on a shared CPU"), and none of transformers' or the Hub's own progress bars (a "Loading weights"
+    bar per model load, "Writing model shards" per save), which would interleave with the command's own. With
+    ``warnings=False`` transformers logs errors only (``daedalus run``, whose screen is a live progress display).
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    if not warnings:
+        transformers.utils.logging.set_verbosity_error()
