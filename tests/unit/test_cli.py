@@ -221,6 +221,7 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     assert cli.main(["sft", str(job_file), "--out", str(tmp_path / "sft")]) == 2  # was "is neither a model ..."
     assert capsys.readouterr().err.splitlines()[-1] == f"error: model.sftAdapter '{tmp_path}/no-such-adapter' does " \
         "not exist on this machine"
+    assert not (tmp_path / "sft").exists()  # refused before --out was created
     # a path with brackets is printed as written: rich read "[/y]" as a closing tag (MarkupError traceback)
     job["spec"]["model"]["sftAdapter"] = "x[/y]"
     job_file.write_text(yaml.safe_dump(job))
@@ -244,6 +245,9 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
     assert "no-such-model' holds no Hugging Face checkpoint (config.json)" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+    assert cli.main(["sft", str(job_file), "--out", str(tmp_path / "sft")]) == 2
+    assert "no-such-model' holds no Hugging Face checkpoint (config.json)" in capsys.readouterr().err
+    assert not (tmp_path / "sft").exists()
     assert cli.main(["eval", EXAMPLE, "--model", str(tmp_path / "no-such-model")]) == 2
     assert "no-such-model does not exist (expected a model directory" in capsys.readouterr().err
 

@@ -112,8 +112,10 @@ def _load(path: str):
 def _cmd_sft(args: argparse.Namespace) -> int:
     job = _load(args.config)  # a typo in the YAML is reported before seconds of imports
     from daedalus_trainer import sft
+    from daedalus_trainer.policy import check_model_paths
     from daedalus_trainer.usage import make_dir, quiet_single_threaded_torch
 
+    check_model_paths(job.spec.model)  # before --out is created
     quiet_single_threaded_torch()
 
     out = make_dir(Path(args.out) if args.out else Path("runs") / job.metadata.name / "sft", "--out")

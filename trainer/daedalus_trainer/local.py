@@ -180,21 +180,12 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     if not job.spec.model.sft_adapter and not job.spec.model.tiny:
         return refuse("model.sftAdapter is required for a non-tiny model: daedalus run trains an SFT starting point "
                       "itself only for model.tiny; give the PEFT adapter or model directory of a supervised start")
-    given = job.spec.model.sft_adapter
-    if given:  # checked before anything is created under --runs-dir
-        from daedalus_trainer.policy import is_adapter_dir, is_checkpoint_dir
+    from daedalus_trainer.policy import check_model_paths
 
-        if not Path(given).exists():
-            return refuse(f"model.sftAdapter {given!r} does not exist on this machine")
-        if not (is_adapter_dir(given) or is_checkpoint_dir(given)):
-            return refuse(f"model.sftAdapter {given!r} is neither a PEFT adapter directory (adapter_config.json) "
-                          "nor a model directory (config.json) on this machine")
-        base = job.spec.model.path
-        if is_adapter_dir(given) and not job.spec.model.tiny and not is_checkpoint_dir(base):
-            # the adapter's base model: resolve_base_dir would say so only after the run directory was created
-            return refuse(f"model.path {base!r} holds no Hugging Face checkpoint (config.json) on this machine, "
-                          "and model.sftAdapter is an adapter that needs it as its base model; Daedalus never "
-                          "downloads models at run time: copy the checkpoint there")
+    try:
+        check_model_paths(job.spec.model)  # before anything is created under --runs-dir
+    except FileNotFoundError as exc:
+        return refuse(str(exc))
     start: str | LoadedCheckpoint = resume  # what the Trainer resumes from: a --resume PATH is read once, here
     if resume != "latest":
         # A GRPO checkpoint path is verified now, not after SFT and an evaluation (the trainer moves the checkpoints

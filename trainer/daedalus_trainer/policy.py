@@ -799,6 +799,34 @@ def load_pretrained(path: str | Path, dtype: str = "float32", device: torch.devi
     return Policy(model, processor, path, dev)
 
 
+def check_model_paths(model_spec: Any) -> None:
+    """Check, without loading anything, that the directories :func:`load_policy` needs for ``model_spec`` are here:
+    ``model.sftAdapter`` (when set) is a model directory or a PEFT adapter directory, and the base model
+    ``model.path`` holds a checkpoint unless the tiny model is built or the SFT start is a full model. Commands call
+    it before they create their output directories.
+
+    Raises:
+        FileNotFoundError: naming the field, the path and the way on (Daedalus never downloads models at run time).
+    """
+    sft = getattr(model_spec, "sft_adapter", None)
+    if sft:
+        if not Path(sft).exists():
+            raise FileNotFoundError(f"model.sftAdapter {sft!r} does not exist on this machine")
+        if not (is_adapter_dir(sft) or is_checkpoint_dir(sft)):
+            raise FileNotFoundError(f"model.sftAdapter {sft!r} is neither a PEFT adapter directory "
+                                    "(adapter_config.json) nor a model directory (config.json) on this machine")
+        if is_checkpoint_dir(sft):
+            return  # a full model: it replaces the base
+    path = getattr(model_spec, "path", None)
+    if getattr(model_spec, "tiny", False) or is_checkpoint_dir(path):
+        return
+    needs = " and model.sftAdapter is an adapter that needs it as its base model" if sft else ""
+    raise FileNotFoundError(
+        f"model.path {path!r} holds no Hugging Face checkpoint (config.json) on this machine{needs}; Daedalus never "
+        "downloads models at run time: copy the checkpoint to a local or shared volume and set model.path, or set "
+        "model.tiny for the CPU model")
+
+
 def load_policy(
     model_spec: Any,
     lora: Any | None = None,
@@ -821,17 +849,13 @@ def load_policy(
     fine-tune) or a PEFT adapter directory (then it is loaded on top of the base and trained further).
 
     Raises:
-        FileNotFoundError: no checkpoint (see :func:`resolve_base_dir`), or ``sft_adapter`` is neither a model nor an
-            adapter directory.
+        FileNotFoundError: no checkpoint, or ``sft_adapter`` is neither a model nor an adapter directory
+            (:func:`check_model_paths`).
         ValueError: vision-tower LoRA targets, or the processor is not a vision-language one (:func:`load_pretrained`).
     """
     sft = getattr(model_spec, "sft_adapter", None)
     dtype = getattr(model_spec, "dtype", "float32")
-    if sft and not Path(sft).exists():
-        raise FileNotFoundError(f"model.sftAdapter {sft!r} does not exist on this machine")
-    if sft and not (is_checkpoint_dir(sft) or is_adapter_dir(sft)):
-        raise FileNotFoundError(f"model.sftAdapter {sft!r} is neither a model directory (config.json) nor a PEFT "
-                                "adapter directory (adapter_config.json)")
+    check_model_paths(model_spec)
     base_dir = Path(sft) if is_checkpoint_dir(sft) else resolve_base_dir(model_spec, work_dir)
     policy = load_pretrained(base_dir, dtype, device)
     if sft and is_adapter_dir(sft):
