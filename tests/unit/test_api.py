@@ -335,6 +335,19 @@ def test_validate_cli_reports_paths(tmp_path):
     assert ok.returncode == 0, ok.stdout + ok.stderr
 
 
+def test_validate_reads_standard_input():
+    """`kubectl get rltj -A -o yaml | daedalus validate -`: a List from standard input, each item checked and named."""
+    items = [_local(), _set(_set(_local(), "metadata.name", "other"), "spec.environment.size", 10)]
+    text = yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": items})
+    out = subprocess.run([sys.executable, "-m", "daedalus_trainer", "validate", "-"], input=text, capture_output=True,
+                         text=True)
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "✓ <stdin> (RLTrainingJob document 1 of 2): RLTrainingJob 'local-tiny' is valid"
+    assert lines[1] == "✗ <stdin> (RLTrainingJob document 2 of 2): 1 error(s)"
+    assert "spec.environment.size" in lines[2]
+
+
 def test_validate_cli_checks_every_document_and_prints_messages_literally(tmp_path):
     """A later broken document is not hidden by a valid first one; a missing name is reported as the API server
     would; a list in a message keeps its brackets (rich markup is escaped)."""

@@ -52,9 +52,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     console = Console(stderr=False, highlight=False, soft_wrap=True)
     status = 0
-    for f in args.files:
+    for given in args.files:
+        f = "<stdin>" if given == "-" else given
         try:
-            docs = load_documents(f)
+            docs = load_documents(given)
         except FileNotFoundError:
             console.print(f"[red]✗[/red] {escape(f)}: no such file")
             status = 1
@@ -351,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "A file may hold several documents or a `kind: List` (`kubectl get rltj -A -o yaml`); two jobs "
                        "with the same namespace and name in one file are an error. Exit status 1 when any document "
                        "is invalid.")
-    s.add_argument("files", nargs="+", help="YAML files (each may hold several documents)")
+    s.add_argument("files", nargs="+", help="YAML or JSON files (each may hold several documents); - reads standard "
+                   "input (kubectl get rltj -A -o yaml | daedalus validate -)")
     s.set_defaults(func=_cmd_validate)
 
     s = sub.add_parser("crd", help="print the RLTrainingJob CustomResourceDefinition generated from the API models",

@@ -20,6 +20,7 @@ import functools
 import io
 import re
 import reprlib
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -1132,24 +1133,31 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
 def load_documents(path: str | Path) -> list[Any]:
     """The RLTrainingJob documents of a YAML or JSON file (all documents whose kind is RLTrainingJob, the items of a
     ``kind: List`` included; the first document when none says so, so that its validation names what is wrong; none
-    for a ``List`` without items). Read with :class:`ManifestLoader`, as ``kubectl`` reads YAML.
+    for a ``List`` without items). Read with :class:`ManifestLoader`, as ``kubectl`` reads YAML. ``-`` reads standard
+    input.
 
     Raises:
         FileNotFoundError: the file does not exist.
         SpecError: the file is a directory, not UTF-8 text or unreadable, the YAML is malformed, or the file holds
             no document.
     """
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise
-    except IsADirectoryError:
-        raise SpecError([("(file)", "is a directory, not a YAML or JSON file")], str(path)) from None
-    except UnicodeDecodeError:
-        raise SpecError([("(file)", "is not UTF-8 text: expected a YAML or JSON file")], str(path)) from None
-    except OSError as exc:
-        raise SpecError([("(file)", f"cannot be read: {exc.strerror or exc}")], str(path)) from None
+    if str(path) == "-":  # standard input, as kubectl reads `-f -`
+        try:
+            text, path = sys.stdin.read(), Path("<stdin>")
+        except UnicodeDecodeError:
+            raise SpecError([("(file)", "is not UTF-8 text: expected a YAML or JSON file")], "<stdin>") from None
+    else:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise
+        except IsADirectoryError:
+            raise SpecError([("(file)", "is a directory, not a YAML or JSON file")], str(path)) from None
+        except UnicodeDecodeError:
+            raise SpecError([("(file)", "is not UTF-8 text: expected a YAML or JSON file")], str(path)) from None
+        except OSError as exc:
+            raise SpecError([("(file)", f"cannot be read: {exc.strerror or exc}")], str(path)) from None
     stream = io.StringIO(text)
     stream.name = str(path)  # YAML error marks name the file
     try:
