@@ -634,3 +634,16 @@ def test_evaluation_progress_shows_each_pass(tiny_checkpoint, terminal):
     plain = evaluation.run_eval(job, tiny_checkpoint, n=3, split="training")
     assert [r.outcomes for r in rep.results] == [r.outcomes for r in plain.results]
     assert [r.turns for r in rep.results] == [r.turns for r in plain.results] == [6, 6]
+
+
+def test_sft_progress_in_a_log_is_plain_lines(tmp_path, capfd):
+    """With stderr not a terminal (a log file, CI, `kubectl logs`), progress is a plain line per tenth of the budget,
+    not a bar's carriage-return redraws piling up on one line."""
+    job = make_tiny_job(None, sft={"steps": 12, "batchSize": 4, "learningRate": 0.003, "maxSeconds": 0},
+                        environment={"evalMazes": 16})
+    sft.run_sft(job, tmp_path, resume=False, progress=True, final_eval=False, log_every=3, accuracy_turns=4)
+    err = capfd.readouterr().err  # transformers' own bars too (the CLI turns those off: usage.py)
+    assert "\rsft" not in err and "sft:   " not in err  # no tqdm bar of ours
+    lines = [line for line in err.splitlines() if line.startswith("sft: ")]
+    assert [line.split("%")[0] for line in lines] == ["sft: 25", "sft: 50", "sft: 75", "sft: 100"]
+    assert "step=12, loss=" in lines[-1] and ", acc=" in lines[-1]

@@ -614,7 +614,8 @@ def run_sft(
     uninterrupted run.
 
     Keyword args: ``progress`` (tqdm bar on stderr with loss, step accuracy, tokens/s, training seconds and, with
-    ``sft.onPolicyFraction > 0``, ``train_greedy``: the policy's greedy success on the last pool's training mazes),
+    ``sft.onPolicyFraction > 0``, ``train_greedy``: the policy's greedy success on the last pool's training mazes;
+    when stderr is not a terminal, one plain line with those figures per tenth of the budget instead),
     ``final_eval`` (greedy evaluation on the held-out set at the end, stored in the report), ``checkpoint_seconds``,
     ``log_every`` (steps between step-accuracy measurements), ``accuracy_turns`` (held-out turns they use),
     ``on_step`` (called with the state after every optimizer step, e.g. for metrics; a ``KeyboardInterrupt`` raised
@@ -691,8 +692,12 @@ def run_sft(
 
     # The bar counts percent of the budget spent (spent(): steps or seconds, whichever binds), so it reaches 100%
     # whichever budget ends the run and its estimate of the time left follows the binding one.
-    bar = tqdm(total=100, initial=min(100, round(100 * spent())), unit="%", desc="sft", disable=not progress,
+    # On a terminal a live bar; in a log (CI, nohup, kubectl logs) a bar's carriage-return redraws would pile up
+    # on one line, so there a plain line goes to stderr at each tenth of the budget instead.
+    live = progress and sys.stderr.isatty()
+    bar = tqdm(total=100, initial=min(100, round(100 * spent())), unit="%", desc="sft", disable=not live,
                dynamic_ncols=True, file=sys.stderr, bar_format="{l_bar}{bar}| [{elapsed}<{remaining}{postfix}]")
+    next_line = (int(100 * spent()) // 10 + 1) * 10  # percent of the budget at which the next log line is due
     # From here on the run writes (checkpoints, then the result): the old report goes first (see finished_result).
     _withdraw_report(out_dir)
     last_ckpt = state.seconds
@@ -744,8 +749,14 @@ def run_sft(
                     "loss": float(np.mean(window_loss)),
                     "tokens_per_second": round(window_tokens / max(window_time, 1e-9), 1), "step_accuracy": acc,
                 })
-                bar.set_postfix(step=state.step, loss=f"{np.mean(window_loss):.3f}", acc=f"{acc:.2f}",
-                                tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}", **pool_postfix())
+                figures = dict(step=state.step, loss=f"{np.mean(window_loss):.3f}", acc=f"{acc:.2f}",
+                               tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}", **pool_postfix())
+                bar.set_postfix(**figures)
+                done = min(100, int(100 * spent()))
+                if progress and not live and (done >= next_line or not budget_left()):
+                    print(f"sft: {done}% of the budget ({state.seconds:.0f} s), "
+                          + ", ".join(f"{k}={v}" for k, v in figures.items()), file=sys.stderr, flush=True)
+                    next_line = (done // 10 + 1) * 10
                 window_loss, window_tokens, window_time = [], 0, 0.0
             if spec.sft.eval_every and state.step % spec.sft.eval_every == 0 and budget_left():
                 t1 = time.perf_counter()
