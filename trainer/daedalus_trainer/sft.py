@@ -208,7 +208,11 @@ class DemoSource:
         self.settings = prompts.PromptSettings.from_env(env_spec)
 
     def turns(self, step: int, batch_size: int) -> list[DemoTurn]:
-        """The demonstration turns of ``step`` (deterministic)."""
+        """The demonstration turns of ``step`` (deterministic).
+
+        Raises:
+            ValueError: the source's ``noise`` is outside [0, 1] (checked here, not at construction).
+        """
         rng = np.random.default_rng([self.seed, int(step), 104729])
         out = []
         for maze in self.sampler.mazes(step, batch_size):
