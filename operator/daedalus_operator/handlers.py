@@ -177,7 +177,8 @@ class PollGate:
 
     def due(self, version: str | None, fingerprint: Any, now: float, interval: float, tick: float,
             idle: float = IDLE_RESYNC_SECONDS) -> bool:
-        """Whether a timer tick at ``now`` should reconcile: :meth:`wake` is not ``None`` (same arguments)."""
+        """Whether a timer tick at ``now`` should reconcile: :meth:`wake` is not ``None`` (same arguments, times in
+        seconds)."""
         return self.wake(version, fingerprint, now, interval, tick, idle) is not None
 
     def changed(self, version: str | None, fingerprint: Any) -> str | None:
