@@ -134,7 +134,7 @@ class PolicyBatch:
     image_grid_thw: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> PolicyBatch:
-        """A copy with every tensor on ``device``."""
+        """A copy with every tensor on ``device`` (same shapes and dtypes)."""
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PolicyBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
 
@@ -446,7 +446,9 @@ class Policy:
         return [int(x) // merge for x in grid_thw.prod(-1).tolist()]
 
     def collate(self, sequences: Sequence[TokenSequence]) -> PolicyBatch:
-        """Right-pad ``sequences`` into a :class:`PolicyBatch` on the policy's device.
+        """Right-pad ``sequences`` into a :class:`PolicyBatch` on the policy's device: ``B = len(sequences)`` rows,
+        ``T`` = the longest ``len(prompt_ids) + len(completion_ids)`` (see :class:`PolicyBatch` for each tensor's
+        shape).
 
         Raises:
             ValueError: empty input, or a sequence whose ``<|image_pad|>`` count does not match its images (the
@@ -484,7 +486,8 @@ class Policy:
 
     # -- log-probs -------------------------------------------------------------------------------------------------
     def shared_prefix_length(self, batch: PolicyBatch) -> int:
-        """Length P of the token prefix every sequence of ``batch`` shares and that may be encoded once.
+        """Length P (tokens, ``0 <= P < T``) of the prefix every row of ``batch.input_ids`` ``[B, T]`` shares and
+        that may be encoded once.
 
         The prefix holds no image token and ends before the first assistant token's predecessor, so every assistant
         token is predicted from a suffix position. 0 (no sharing) for a single sequence or a prefix shorter than

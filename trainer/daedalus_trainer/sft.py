@@ -167,7 +167,8 @@ def _demo_turn(observations: list, executed: list[str], labels: list[str], k: in
 def expert_action(maze: Any, dist: np.ndarray, cell: tuple[int, int]) -> str:
     """The solver's action at ``cell``: ``stop`` on the goal, else the first move (in :data:`DIRECTIONS` order) to a
     neighbour one step closer to the goal; in a perfect maze that neighbour is unique, so this is the first move of
-    :func:`daedalus_trainer.envs.solve`. ``dist`` is :func:`daedalus_trainer.envs.distance_map` of ``maze``.
+    :func:`daedalus_trainer.envs.solve`. ``dist`` is :func:`daedalus_trainer.envs.distance_map` of ``maze`` (int
+    ``[size, size]``, moves to the goal).
 
     Raises:
         ValueError: the goal cannot be reached from ``cell`` (no neighbour one step closer).
