@@ -177,7 +177,8 @@ class PollGate:
 
     def due(self, version: str | None, fingerprint: Any, now: float, interval: float, tick: float,
             idle: float = IDLE_RESYNC_SECONDS) -> bool:
-        """Whether a timer tick at ``now`` should reconcile: :meth:`wake` is not ``None`` (same arguments)."""
+        """Whether a timer tick at ``now`` should reconcile: :meth:`wake` is not ``None`` (same arguments, times in
+        seconds)."""
         return self.wake(version, fingerprint, now, interval, tick, idle) is not None
 
     def changed(self, version: str | None, fingerprint: Any) -> str | None:
@@ -420,6 +421,8 @@ def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
 
     Raises:
         kopf.TemporaryError: a kopf index kept changing while it was copied (:func:`_copy_retrying`).
+        ValueError: the job's ``status.attemptStartTime`` is not an RFC 3339 timestamp (:func:`parse_time`; the
+            operator writes it, so only a status edited by hand; the CRD schema does not check the format).
     """
     key = (job.namespace, job.name)
     clusters = [c for c in _store_values(indexes.get("clusters_by_job"), key)
@@ -563,6 +566,7 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
             ``EnsureServing``, reading the token Secret for ``RequestCheckpoint``).
         RuntimeError: Ray refused a submission or a stop for another reason (the message says why).
         ValueError: the job's spec is invalid, or its serving LoRA URI is not an object-store URI.
+        TypeError: ``action`` is not one of the :data:`~daedalus_operator.plan.Action` types (never for a plan's).
     """
     k = rt.kube
     c = observed.cluster
@@ -685,10 +689,13 @@ def _utcnow() -> dt.datetime:
 def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], logger: Any,
               *, wait_for_lock: bool = True) -> Plan | None:
     """Reconcile one job (see the module docstring). Returns the last plan (``None`` when skipped: the job is gone
-    or another reconcile of it is running).
+    or another reconcile of it is running). ``wait_for_lock``: wait up to 30 s for another reconcile of the same
+    job to finish, then skip (False: skip at once, as the poll timer does).
 
     Raises:
-        kopf.TemporaryError: the status write failed (conflict or API error); kopf retries.
+        kopf.TemporaryError: reading the job or another API call failed, or the status write failed (conflict or
+            API error); kopf retries.
+        ValueError: a time in the job's status is not an RFC 3339 timestamp (a status edited by hand; :func:`gather`).
     """
     started = time.monotonic()
     # The lock first, then the GET: a reconcile that waited here for another one of the same job (kopf starts

@@ -46,10 +46,13 @@ class KubeError(RuntimeError):
 
     @property
     def not_found(self) -> bool:
+        """The API answered 404 Not Found (the object, or its namespace or resource type, does not exist)."""
         return self.status == 404
 
     @property
     def conflict(self) -> bool:
+        """The API answered 409 Conflict: a create of a name that exists, or a write guarded by a
+        ``resourceVersion`` the object no longer has."""
         return self.status == 409
 
 

@@ -163,6 +163,7 @@ class RayJobs:
 
         Raises:
             RayUnreachable: the dashboard did not answer.
+            RuntimeError: the dashboard answered with an error other than 404 (the message says which).
         """
         try:
             return bool(self._call(self._c().stop_job, submission_id))
@@ -232,9 +233,13 @@ class TrainerControl:
         """``POST /checkpoint?timeout=<wait_seconds>``: blocks until the trainer wrote a checkpoint at its next step
         boundary and returns ``{step, path, time}``.
 
+        ``wait_seconds``: how long the trainer waits for a step boundary (seconds); the HTTP request may take that
+        plus the client's ``timeout``.
+
         Raises:
             ControlError: no answer (status 0), 401 (token), 409 (the trainer already ended), 500 (save failed),
                 504 (no step boundary within the wait).
+            ValueError: an answer with status 200 whose body is not JSON (``requests``' ``JSONDecodeError``).
         """
         return self._post("/checkpoint", wait_seconds)
 
@@ -261,8 +266,9 @@ class CheckpointCalls:
         self.started: list[tuple[str, float]] = []  # (key, time.monotonic()) for diagnostics and tests
 
     def start(self, key: str, control: TrainerControl, wait_seconds: float, *, stop: bool = False) -> bool:
-        """Start a call (``POST /stop`` when ``stop``, else ``POST /checkpoint``) unless one is in flight or done;
-        True when a new call was started."""
+        """Start a call (``POST /stop`` when ``stop``, else ``POST /checkpoint``, waiting up to ``wait_seconds``
+        seconds for the trainer's step boundary, see :meth:`TrainerControl.checkpoint`) unless one is in flight or
+        done; True when a new call was started."""
         with self._lock:
             cur = self._calls.get(key)
             if cur is not None and (cur.in_flight or cur.step is not None):

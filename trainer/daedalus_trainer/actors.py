@@ -185,8 +185,17 @@ class Learner:
     def restore(self, adapter: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
         """Load adapter weights and optimizer state from a checkpoint.
 
+        Args:
+            adapter: the adapter state dict (PEFT key names, shapes as :meth:`Policy.adapter_state
+                <daedalus_trainer.policy.Policy.adapter_state>`: ``lora_A`` ``[r, in_features]``, ``lora_B``
+                ``[out_features, r]``).
+            optimizer_state: ``optimizer.state_dict()`` of the same parameters.
+
         Raises:
-            ValueError: the adapter does not match the attached one (different rank or targets).
+            ValueError: the adapter's keys do not match the attached one's (other targets), or ``optimizer_state``
+                has other parameter groups or group sizes (torch's ``Optimizer.load_state_dict``).
+            RuntimeError: the adapter's tensors have other shapes (another rank; torch's ``load_state_dict`` size
+                mismatch).
         """
         self.policy.load_adapter(adapter)
         self.optimizer.load_state_dict(optimizer_state)

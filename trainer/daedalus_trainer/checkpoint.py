@@ -231,12 +231,14 @@ class PackedTensor:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> PackedTensor:
-        """Pack ``tensor`` (any device: moved to the CPU first; a view when it is already CPU and contiguous)."""
+        """Pack ``tensor`` (any shape, 0-dim included; any device: moved to the CPU first; a view when it is already
+        CPU and contiguous)."""
         t = tensor.detach().cpu().contiguous()
         return cls(t.reshape(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape))
 
     def unpack(self) -> torch.Tensor:
-        """A writable CPU tensor equal to the packed one, bit for bit (one copy out of the read-only buffer)."""
+        """A writable CPU tensor equal to the packed one, bit for bit, of shape :attr:`shape` (one copy out of the
+        read-only buffer)."""
         raw = torch.from_numpy(np.array(self.data, dtype=np.uint8, copy=True))
         return raw.view(getattr(torch, self.dtype)).reshape(self.shape)
 
@@ -354,7 +356,9 @@ class LoadedCheckpoint:
         return self.path / ADAPTER_DIR
 
     def load_adapter_tensors(self, device: str = "cpu") -> dict[str, torch.Tensor]:
-        """The adapter tensors (PEFT key format, shapes as saved) via ``safetensors.torch.load_file``."""
+        """The adapter tensors (PEFT key format, shapes as saved: for a ``Linear`` target ``lora_A``
+        ``[r, in_features]`` and ``lora_B`` ``[out_features, r]``) on ``device``, via
+        ``safetensors.torch.load_file``."""
         return safetensors.torch.load_file(self.adapter_dir / ADAPTER_WEIGHTS, device=device)
 
     def load_adapter_config(self) -> dict[str, Any]:

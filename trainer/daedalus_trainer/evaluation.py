@@ -181,7 +181,8 @@ class ModeResult:
 
 def summarize(trajectories: Sequence[Trajectory], mode: str, temperature: float, success_on: str,
               seconds: float = 0.0, corners: int = 1) -> ModeResult:
-    """:class:`ModeResult` of finished episodes (``corners`` consecutive episodes per layout).
+    """:class:`ModeResult` of finished episodes (``corners`` consecutive episodes per layout); ``seconds``: the wall
+    time the episodes took, in seconds (reported as :attr:`ModeResult.seconds`, rounded to 0.01).
 
     Raises:
         ValueError: no trajectories, or not whole layouts of ``corners`` episodes.

@@ -134,7 +134,7 @@ class PolicyBatch:
     image_grid_thw: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> PolicyBatch:
-        """A copy with every tensor on ``device``."""
+        """A copy with every tensor on ``device`` (same shapes and dtypes)."""
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PolicyBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
 
@@ -237,11 +237,15 @@ class Policy:
 
         A directory attaches the adapter when none is attached yet (its own ``adapter_config.json`` decides rank and
         targets, which are checked like :meth:`add_lora`'s); otherwise it replaces the attached adapter's weights.
-        A state dict requires an attached adapter of the same shapes.
+        A state dict (PEFT key names; for a ``Linear`` target ``...lora_A.weight`` ``[r, in_features]`` and
+        ``...lora_B.weight`` ``[out_features, r]``, any device) requires an attached adapter of the same shapes.
 
         Raises:
             FileNotFoundError: a directory without ``adapter_config.json``.
-            ValueError: a state dict without an attached adapter, missing or unexpected keys, or vision targets.
+            ValueError: a state dict without an attached adapter, missing or unexpected keys (other targets), or
+                vision targets.
+            RuntimeError: weights of other shapes than the attached adapter's (another rank): torch's
+                ``load_state_dict`` size mismatch, raised through peft's ``set_peft_model_state_dict``.
             ModelLoadError: the directory's config does not parse, or its weights are missing or cannot be read.
         """
         from peft import PeftConfig, PeftModel, set_peft_model_state_dict
@@ -442,7 +446,9 @@ class Policy:
         return [int(x) // merge for x in grid_thw.prod(-1).tolist()]
 
     def collate(self, sequences: Sequence[TokenSequence]) -> PolicyBatch:
-        """Right-pad ``sequences`` into a :class:`PolicyBatch` on the policy's device.
+        """Right-pad ``sequences`` into a :class:`PolicyBatch` on the policy's device: ``B = len(sequences)`` rows,
+        ``T`` = the longest ``len(prompt_ids) + len(completion_ids)`` (see :class:`PolicyBatch` for each tensor's
+        shape).
 
         Raises:
             ValueError: empty input, or a sequence whose ``<|image_pad|>`` count does not match its images (the
@@ -480,7 +486,8 @@ class Policy:
 
     # -- log-probs -------------------------------------------------------------------------------------------------
     def shared_prefix_length(self, batch: PolicyBatch) -> int:
-        """Length P of the token prefix every sequence of ``batch`` shares and that may be encoded once.
+        """Length P (tokens, ``0 <= P < T``) of the prefix every row of ``batch.input_ids`` ``[B, T]`` shares and
+        that may be encoded once.
 
         The prefix holds no image token and ends before the first assistant token's predecessor, so every assistant
         token is predicted from a suffix position. 0 (no sharing) for a single sequence or a prefix shorter than
@@ -578,6 +585,9 @@ class Policy:
         Returns:
             float32 ``[B, T]`` aligned with ``batch.input_ids``; 0 where ``assistant_mask`` is 0. Differentiable with
             respect to the trainable parameters (wrap in ``torch.no_grad()`` for old/reference log-probs).
+
+        Raises:
+            ValueError: ``temperature`` <= 0.
         """
         logits, targets, mask = self._assistant_logits(batch, temperature, share_prefix)
         lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # [N]
@@ -589,7 +599,7 @@ class Policy:
         """:meth:`response_logprobs` of the reference policy (:meth:`reference`), without gradients. ``[B, T]``.
 
         Raises:
-            ValueError: no adapter attached.
+            ValueError: no adapter attached, or ``temperature`` <= 0.
         """
         with self.reference():
             return self.response_logprobs(batch, temperature, share_prefix)

@@ -167,7 +167,8 @@ def _demo_turn(observations: list, executed: list[str], labels: list[str], k: in
 def expert_action(maze: Any, dist: np.ndarray, cell: tuple[int, int]) -> str:
     """The solver's action at ``cell``: ``stop`` on the goal, else the first move (in :data:`DIRECTIONS` order) to a
     neighbour one step closer to the goal; in a perfect maze that neighbour is unique, so this is the first move of
-    :func:`daedalus_trainer.envs.solve`. ``dist`` is :func:`daedalus_trainer.envs.distance_map` of ``maze``.
+    :func:`daedalus_trainer.envs.solve`. ``dist`` is :func:`daedalus_trainer.envs.distance_map` of ``maze`` (int
+    ``[size, size]``, moves to the goal).
 
     Raises:
         ValueError: the goal cannot be reached from ``cell`` (no neighbour one step closer).
@@ -208,7 +209,11 @@ class DemoSource:
         self.settings = prompts.PromptSettings.from_env(env_spec)
 
     def turns(self, step: int, batch_size: int) -> list[DemoTurn]:
-        """The demonstration turns of ``step`` (deterministic)."""
+        """The demonstration turns of ``step`` (deterministic).
+
+        Raises:
+            ValueError: the source's ``noise`` is outside [0, 1] (checked here, not at construction).
+        """
         rng = np.random.default_rng([self.seed, int(step), 104729])
         out = []
         for maze in self.sampler.mazes(step, batch_size):

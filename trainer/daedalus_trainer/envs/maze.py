@@ -676,7 +676,8 @@ class Maze2DEnv(gymnasium.Env):
         return self._obs(feedback), 1.0 if success else 0.0, terminated, truncated, info
 
     def render(self) -> np.ndarray | str | None:
-        """The current frame: RGB array for ``rgb_array``, the text map for ``ansi``, None without a mode.
+        """The current frame: for ``rgb_array`` a uint8 RGB array ``[size * cell_px, size * cell_px, 3]``
+        (:func:`render_rgb`), for ``ansi`` the text map (:func:`render_ascii`), None without a mode.
 
         Raises:
             RuntimeError: before :meth:`reset`.

@@ -93,7 +93,9 @@ class RolloutEngine(Protocol):
         ...
 
     def load_adapter(self, path_or_state: str | Path | dict[str, torch.Tensor], version: int) -> None:
-        """Use this LoRA adapter (PEFT directory or state dict) from now on; ``version`` is recorded in rollouts."""
+        """Use this LoRA adapter (PEFT directory, or a state dict as
+        :meth:`~daedalus_trainer.policy.Policy.adapter_state` returns: PEFT key names, ``lora_A`` ``[r, in_features]``,
+        ``lora_B`` ``[out_features, r]``) from now on; ``version`` is recorded in rollouts."""
         ...
 
 
@@ -124,7 +126,12 @@ class TransformersEngine:
         self.adapter_version = 0
 
     def load_adapter(self, path_or_state: str | Path | dict[str, torch.Tensor], version: int) -> None:
-        """Load adapter weights into the policy (see :meth:`Policy.load_adapter`) and record ``version``."""
+        """Load adapter weights into the policy (see :meth:`Policy.load_adapter`: a PEFT directory, or a state dict
+        with ``lora_A`` ``[r, in_features]`` and ``lora_B`` ``[out_features, r]``) and record ``version``.
+
+        Raises:
+            FileNotFoundError, ValueError, RuntimeError, ModelLoadError: as :meth:`Policy.load_adapter`.
+        """
         self.policy.load_adapter(path_or_state)
         self.adapter_version = int(version)
 
