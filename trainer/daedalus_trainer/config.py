@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "daedalus.dev"
@@ -476,6 +476,13 @@ class Phase(str, enum.Enum):
     FAILED = "Failed"
 
 
+#: An RFC 3339 time in the status (``2026-01-02T03:04:05Z``, as ``metav1.Time`` is written). Read as a plain string, so
+#: a status is never refused when it is read back, but the CRD gives it ``format: date-time``, as Kubernetes does for
+#: ``metav1.Time``: the API server refuses a value that is not a time when it is written (by hand: ``kubectl edit
+#: --subresource=status``), so the operator never meets one it cannot parse.
+Timestamp = Annotated[str, WithJsonSchema({"type": "string", "format": "date-time"})]
+
+
 class Condition(_Model):
     """A `metav1.Condition` (k8s.io/apimachinery/pkg/apis/meta/v1)."""
 
@@ -487,7 +494,7 @@ class Condition(_Model):
     """CamelCase reason."""
     message: str = ""
     """Human-readable detail."""
-    last_transition_time: str | None = None
+    last_transition_time: Timestamp | None = None
     """RFC 3339 time of the last status flip."""
     observed_generation: int | None = None
     """`.metadata.generation` the condition was computed from."""
@@ -500,7 +507,7 @@ class CheckpointRef(_Model):
     """GRPO step the checkpoint holds."""
     path: str = ""
     """Directory of the checkpoint on the shared volume."""
-    time: str | None = None
+    time: Timestamp | None = None
     """RFC 3339 time it was written."""
 
 
@@ -513,7 +520,7 @@ class FailureInfo(_Model):
     """Node involved, if any."""
     message: str = ""
     """Detail (Ray job message, node condition, ...)."""
-    time: str | None = None
+    time: Timestamp | None = None
     """RFC 3339 time of detection."""
 
 
@@ -540,22 +547,22 @@ class RecoveryInfo(_Model):
     """Node that triggered it, if any."""
     message: str = ""
     """Detail."""
-    detected_at: str | None = None
+    detected_at: Timestamp | None = None
     """RFC 3339 time the operator detected the cause."""
     step_at_detection: int = 0
     """Latest completed step the trainer had reported at detection."""
-    checkpoint_requested_at: str | None = None
+    checkpoint_requested_at: Timestamp | None = None
     """RFC 3339 time a checkpoint was requested from the trainer (announced failures, hangs, suspend)."""
     checkpoint_target_step: int | None = None
     """The requested checkpoint is done once the latest checkpoint holds at least this step."""
-    stop_requested_at: str | None = None
+    stop_requested_at: Timestamp | None = None
     """RFC 3339 time the Ray job was asked to stop."""
-    unconfirmed_since: str | None = None
+    unconfirmed_since: Timestamp | None = None
     """RFC 3339 time from which the operator has had no evidence that the replaced attempt ended (its dashboard
     unanswering); the RayCluster is recreated once this lasts longer than the unreachable grace."""
-    not_before: str | None = None
+    not_before: Timestamp | None = None
     """Restart backoff: no resubmission before this RFC 3339 time."""
-    resubmitted_at: str | None = None
+    resubmitted_at: Timestamp | None = None
     """RFC 3339 time the next attempt was submitted."""
     resume_step: int | None = None
     """Step of the latest checkpoint when the next attempt was submitted (where it resumes)."""
@@ -566,9 +573,9 @@ class RecoveryRecord(_Model):
 
     reason: str = ""
     """CamelCase reason of the recovery."""
-    detected_at: str | None = None
+    detected_at: Timestamp | None = None
     """RFC 3339 time the cause was detected."""
-    recovered_at: str | None = None
+    recovered_at: Timestamp | None = None
     """RFC 3339 time the resumed attempt first reported a step beyond its resume step."""
     seconds: float = 0.0
     """recoveredAt - detectedAt, in seconds."""
@@ -612,9 +619,9 @@ class RLTrainingJobStatus(_Model):
     """Last failure handled."""
     metrics: JobMetrics | None = None
     """Latest trainer figures."""
-    start_time: str | None = None
+    start_time: Timestamp | None = None
     """RFC 3339 time the first attempt was submitted."""
-    completion_time: str | None = None
+    completion_time: Timestamp | None = None
     """RFC 3339 time the job succeeded or failed."""
     dashboard_url: str | None = None
     """Ray dashboard URL of the RayCluster."""
@@ -622,13 +629,13 @@ class RLTrainingJobStatus(_Model):
     """Exported PEFT LoRA adapter (servable by vLLM)."""
     submission_confirmed: bool = False
     """True once the Ray job `submissionId` was seen on the head (a missing job is then lost, not unsubmitted)."""
-    attempt_start_time: str | None = None
+    attempt_start_time: Timestamp | None = None
     """RFC 3339 time the current attempt was submitted (pods created later replaced a lost one)."""
-    last_progress_time: str | None = None
+    last_progress_time: Timestamp | None = None
     """RFC 3339 time the reported step last advanced (progressDeadlineSeconds is measured from here)."""
     consecutive_failures: int = 0
     """Unplanned failures since the last attempt that made progress (restart backoff exponent)."""
-    unreachable_since: str | None = None
+    unreachable_since: Timestamp | None = None
     """RFC 3339 time the Ray dashboard first failed to answer during the current attempt."""
     recovery: RecoveryInfo | None = None
     """The recovery in progress, if any."""
