@@ -211,6 +211,26 @@ def test_adapter_save_and_state_reload_are_exact(tiny_checkpoint, tmp_path):
         load_pretrained(tiny_checkpoint, "float32", "cpu").load_adapter(a.adapter_state())
 
 
+def test_a_mismatched_adapter_state_is_refused_before_any_weight_changes(tiny_checkpoint):
+    """Another rank, or other targets: a ValueError naming the mismatch, and the attached adapter keeps every weight
+    (torch's load_state_dict would have copied the matching tensors before raising on the first other shape)."""
+    target = load_pretrained(tiny_checkpoint, "float32", "cpu")
+    target.add_lora(LORA)
+    _perturb_lora(target, seed=5)
+    before = target.adapter_state()
+    other_rank = load_pretrained(tiny_checkpoint, "float32", "cpu")
+    other_rank.add_lora(SimpleNamespace(**{**vars(LORA), "rank": 4}))
+    state = other_rank.adapter_state()
+    state.update({k: v + 1 for k, v in before.items() if "lora_A" in k})  # same shapes as the target's: would load
+    with pytest.raises(ValueError, match=r"tensor\(s\) of other shapes .*another rank"):
+        target.load_adapter(state)
+    fewer = {k: v for k, v in before.items() if "q_proj" not in k}
+    with pytest.raises(ValueError, match="adapter mismatch: missing"):
+        target.load_adapter({k: v + 1 for k, v in fewer.items()})
+    after = target.adapter_state()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
 def test_load_policy_builds_tiny_and_refuses_missing_real_model(tmp_path):
     job = make_tiny_job()
     policy = load_policy(job.spec.model, job.spec.lora, work_dir=tmp_path)

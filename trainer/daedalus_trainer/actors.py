@@ -192,10 +192,9 @@ class Learner:
             optimizer_state: ``optimizer.state_dict()`` of the same parameters.
 
         Raises:
-            ValueError: the adapter's keys do not match the attached one's (other targets), or ``optimizer_state``
-                has other parameter groups or group sizes (torch's ``Optimizer.load_state_dict``).
-            RuntimeError: the adapter's tensors have other shapes (another rank; torch's ``load_state_dict`` size
-                mismatch).
+            ValueError: the adapter's keys or tensor shapes do not match the attached one's (other targets,
+                another rank; nothing is loaded), or ``optimizer_state`` has other parameter groups or group sizes
+                (torch's ``Optimizer.load_state_dict``).
         """
         self.policy.load_adapter(adapter)
         self.optimizer.load_state_dict(optimizer_state)

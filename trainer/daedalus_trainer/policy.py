@@ -242,10 +242,9 @@ class Policy:
 
         Raises:
             FileNotFoundError: a directory without ``adapter_config.json``.
-            ValueError: a state dict without an attached adapter, missing or unexpected keys (other targets), or
-                vision targets.
-            RuntimeError: weights of other shapes than the attached adapter's (another rank): torch's
-                ``load_state_dict`` size mismatch, raised through peft's ``set_peft_model_state_dict``.
+            ValueError: a state dict without an attached adapter, missing or unexpected keys (other targets),
+                weights of other shapes than the attached adapter's (another rank), or vision targets. Nothing is
+                loaded then: the attached adapter keeps its weights.
             ModelLoadError: the directory's config does not parse, or its weights are missing or cannot be read.
         """
         from peft import PeftConfig, PeftModel, set_peft_model_state_dict
@@ -278,11 +277,21 @@ class Policy:
             state = path_or_state
             if not self.has_adapter:
                 raise ValueError("cannot load an adapter state dict: no adapter attached (call add_lora first)")
+        # Checked before anything is copied: torch's load_state_dict copies the tensors that match before it raises
+        # on one that does not, which would leave the attached adapter half replaced.
+        from peft import get_peft_model_state_dict
+
+        current = get_peft_model_state_dict(self.model)
+        missing, unexpected = sorted(set(current) - set(state)), sorted(set(state) - set(current))
+        if missing or unexpected:
+            raise ValueError(f"adapter mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        shapes = [f"{k}: {tuple(state[k].shape)} for {tuple(current[k].shape)}" for k in sorted(state)
+                  if tuple(state[k].shape) != tuple(current[k].shape)]
+        if shapes:
+            raise ValueError(f"adapter mismatch: {len(shapes)} tensor(s) of other shapes than the attached adapter's "
+                             f"(another rank?): {shapes[:3]}")
         state = {k: v.to(self.device) for k, v in state.items()}
-        result = set_peft_model_state_dict(self.model, state)
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if missing or result.unexpected_keys:
-            raise ValueError(f"adapter mismatch: missing {missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}")
+        set_peft_model_state_dict(self.model, state)
 
     def adapter_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """The adapter weights as a CPU state dict (PEFT key names; what travels to rollout engines). For a ``Linear``

@@ -130,7 +130,7 @@ class TransformersEngine:
         with ``lora_A`` ``[r, in_features]`` and ``lora_B`` ``[out_features, r]``) and record ``version``.
 
         Raises:
-            FileNotFoundError, ValueError, RuntimeError, ModelLoadError: as :meth:`Policy.load_adapter`.
+            FileNotFoundError, ValueError, ModelLoadError: as :meth:`Policy.load_adapter`.
         """
         self.policy.load_adapter(path_or_state)
         self.adapter_version = int(version)
