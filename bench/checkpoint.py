@@ -2,6 +2,8 @@
 
 Run: ``.venv/bin/python bench/checkpoint.py [--dir DIR] [--repeats 5]`` (about 3 minutes on 2 cores; needs ~4 GB of
 free disk under ``--dir`` and ~6 GB of memory: the async part starts a local Ray whose actor holds a second copy).
+Smallest run (about 20 s, the smoke test in ``tests/bench``): ``--rank 1 --keep-caches`` (a 33 MB checkpoint of the
+same layout; the machine's page cache left alone, so every read is a page-cache read).
 
 What is written: exactly what :meth:`daedalus_trainer.checkpoint.CheckpointManager.save` writes for the trainer's
 learner, with random values (standard normal; second moments uniform in [0, 1)):
@@ -314,6 +316,9 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir in /tmp)")
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5, help=">= 5")
+    p.add_argument("--keep-caches", action="store_true",
+                   help="do not drop the machine's page cache before reads (restore and dd read are then page-cache "
+                        "reads, not the disk's; for smoke runs on a shared machine)")
     args = p.parse_args(argv)
     if args.repeats < 5:
         p.error("--repeats must be >= 5")
@@ -346,10 +351,15 @@ def main(argv=None) -> int:
         if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 3 * blocks * (16 << 20):
             shm_random = Path(tempfile.mkstemp(prefix="daedalus-bench-rand-", dir="/dev/shm")[1])
             run_dd("if=/dev/urandom", f"of={shm_random}", "bs=16M", f"count={blocks}")
+        def drop() -> bool:
+            """Drop the page cache (True if it worked); never with ``--keep-caches``."""
+            return False if args.keep_caches else drop_caches()
+
         before = cached_kib()
-        dropped = drop_caches()
+        dropped = drop()
         after = cached_kib()
-        print(f"drop_caches: {'works' if dropped else 'NOT possible (cold reads are page-cache reads)'} "
+        print(f"drop_caches: {'works' if dropped else 'skipped (--keep-caches)' if args.keep_caches else 'NOT possible'}"
+              f"{'' if dropped else ' (cold reads are page-cache reads)'} "
               f"(Cached {before / 1024:.0f} MiB -> {after / 1024:.0f} MiB)", flush=True)
 
         rows = []
@@ -373,7 +383,7 @@ def main(argv=None) -> int:
                     (work / "dd.bin.rand").unlink()
 
             def ours_restore():
-                drop_caches()
+                drop()
                 t = time.perf_counter()
                 loaded = manager.load_latest()  # reads every byte once: manifest sha256 check
                 r["restore_verify"] = time.perf_counter() - t
@@ -388,7 +398,7 @@ def main(argv=None) -> int:
                 r["restore_warm"] = time.perf_counter() - t
 
             def dd_read():
-                drop_caches()
+                drop()
                 _, s = run_dd(f"if={ddfile}", "of=/dev/null", "bs=16M")
                 r["dd_read"] = s
 
