@@ -516,6 +516,16 @@ def test_run_eval_reports_json_table_and_gifs(tiny_checkpoint, tmp_path):
     text = console.export_text()
     assert "greedy" in text and "T=1 " in text and "0.0% (0/4)" in text and "0.0%–49.0%" in text
     assert "…" not in text and "192 possible layouts" in " ".join(text.split())  # the title wraps, nothing is cut
+    # the widest rows a real evaluation prints (256 episodes, 3-digit counts, a 100% bound, greedy's 6-letter mode)
+    import dataclasses
+
+    wide = [dataclasses.replace(r, episodes=256, successes=164, success_rate=164 / 256, ci_low=0.58, ci_high=1.0,
+                                mean_turns=13.7, optimal_ratio=1.05, parse_failure_rate=1.0, wall_bump_rate=0.123)
+            for r in rep.results]
+    console = Console(record=True, width=80)
+    console.print(dataclasses.replace(rep, results=wide).table())
+    text = console.export_text()
+    assert "…" not in text and "64.1% (164/256)" in text and "58.0%–100.0%" in text and "bumps" in text
 
 
 def test_load_engine_puts_back_an_export_that_a_killed_export_left_aside(tiny_policy, tiny_job, tmp_path):
@@ -645,5 +655,7 @@ def test_sft_progress_in_a_log_is_plain_lines(tmp_path, capfd):
     err = capfd.readouterr().err  # transformers' own bars too (the CLI turns those off: usage.py)
     assert "\rsft" not in err and "sft:   " not in err  # no tqdm bar of ours
     lines = [line for line in err.splitlines() if line.startswith("sft: ")]
-    assert [line.split("%")[0] for line in lines] == ["sft: 25", "sft: 50", "sft: 75", "sft: 100"]
-    assert "step=12, loss=" in lines[-1] and ", acc=" in lines[-1]
+    assert [line.split(",")[0] for line in lines] == ["sft: step 3/12", "sft: step 6/12", "sft: step 9/12",
+                                                      "sft: step 12/12"]
+    assert [line.split("(")[1].split("%")[0] for line in lines] == ["25", "50", "75", "100"]
+    assert "% of the budget): loss=" in lines[-1] and ", acc=" in lines[-1]

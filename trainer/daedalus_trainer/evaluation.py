@@ -314,10 +314,10 @@ class EvalReport:
                     f"{self.mazes // self.corners} layouts x {self.corners} corner pairs = {self.mazes} episodes")
         t = Table(title=f"{self.job}: {self.split} evaluation, {episodes} of size {self.size} "
                         f"({self.layouts.summary()})",
-                  caption="T=x: sampled at temperature x; x optimal: turns / optimal actions (successes); "
+                  caption="T=x: sampled at temperature x; x opt.: turns / optimal actions (successes); "
                           "unparsed, bumps: shares of all turns")
         # Short headers and unwrapped figures: the whole row fits an 80-column terminal, the CI's bounds included.
-        for col in ("mode", "success", "95% CI", "turns", "x optimal", "unparsed", "bumps"):
+        for col in ("mode", "success", "95% CI", "turns", "x opt.", "unparsed", "bumps"):
             t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
         for r in self.results:
             mode = r.mode if r.mode == "greedy" else f"T={r.temperature:g}"  # sampled at that temperature

@@ -759,8 +759,10 @@ def run_sft(
                 bar.set_postfix(**figures)
                 done = min(100, int(100 * spent()))
                 if progress and not live and (done >= next_line or not budget_left()):
-                    print(f"sft: {done}% of the budget ({state.seconds:.0f} s), "
-                          + ", ".join(f"{k}={v}" for k, v in figures.items()), file=sys.stderr, flush=True)
+                    cap = f" of {max_seconds:.0f}" if max_seconds > 0 else ""
+                    print(f"sft: step {state.step}/{max_steps}, {state.seconds:.0f} s{cap} ({done}% of the budget): "
+                          + ", ".join(f"{k}={v}" for k, v in figures.items() if k != "step"), file=sys.stderr,
+                          flush=True)
                     next_line = (done // 10 + 1) * 10
                 window_loss, window_tokens, window_time = [], 0, 0.0
             if spec.sft.eval_every and state.step % spec.sft.eval_every == 0 and budget_left():
