@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -80,6 +81,10 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     again = _run(job_file, runs)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resumed from the checkpoint at step 2" in again.stdout
+    # the bar starts at the checkpoint's step (it drew 0/2 until the end), said once, before the outcome
+    assert again.stdout.count("resumed from the checkpoint at step 2") == 1
+    assert again.stdout.index("resumed from the checkpoint") < again.stdout.index("nothing left to train")
+    assert re.search(r"GRPO \S+ 2/2", again.stdout) and not re.search(r"GRPO \S+ 0/2", again.stdout)
     # the same start: the cached evaluation is used, not run again (the start's fingerprint matches)
     assert "Evaluation of the starting point" in first.stdout and "Evaluation of the starting point" not in again.stdout
     second = json.loads((run_dir / "report.json").read_text())

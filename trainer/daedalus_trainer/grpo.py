@@ -411,12 +411,15 @@ class Trainer:
             :func:`actor_layout`).
         control / metrics: shared with the HTTP endpoint (:mod:`daedalus_trainer.server`); created if None.
         on_step: called with each step's metrics dict (progress bars).
+        on_resume: called with the step of the checkpoint the run resumes from, before its first new step (a
+            progress bar then starts there, not at 0).
         final_eval: evaluate the final adapter greedily on the held-out mazes (``daedalus_eval_success_ratio``).
     """
 
     def __init__(self, job, run_dir: str | Path, *, start_dir: str | None = None, work_dir: str | Path | None = None,
                  rollout_workers: int | None = None, control=None, metrics=None,
-                 on_step: Callable[[dict[str, Any]], None] | None = None, final_eval: bool = True):
+                 on_step: Callable[[dict[str, Any]], None] | None = None,
+                 on_resume: Callable[[int], None] | None = None, final_eval: bool = True):
         from daedalus_trainer.metrics import TrainerMetrics
         from daedalus_trainer.server import ControlState
 
@@ -430,6 +433,7 @@ class Trainer:
         self.metrics = metrics or TrainerMetrics(job.metadata.name, job.metadata.namespace, total_steps=algo.steps,
                                                  checkpoint_interval=job.spec.checkpoint.interval_steps)
         self.on_step = on_step
+        self.on_resume = on_resume
         self.final_eval = final_eval
         self.final_eval_success: float | None = None
 
@@ -524,6 +528,8 @@ class Trainer:
             self.metrics.set_step(step)
             self.metrics.set_latest_checkpoint(latest)
             log.info("resumed from %s (step %d)", loaded.path, step)
+            if self.on_resume:
+                self.on_resume(step)
             before = loaded.trainer_state.extra.get("rollout_workers")
             if before is not None and before != len(workers):
                 log.warning("resumed with %d rollout workers where the checkpoint's run had %s: the mazes of every "

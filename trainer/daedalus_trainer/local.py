@@ -248,7 +248,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     port = _free_port(port)
     progress = _Progress(console, job.spec.algorithm.steps)
     trainer = Trainer(job, run_dir, start_dir=start_dir, work_dir=work_dir, on_step=progress.update,
-                      final_eval=False)  # the full before/after evaluation below replaces it
+                      on_resume=progress.resumed, final_eval=False)  # the full before/after evaluation below replaces it
     with TrainerServer(trainer.metrics, trainer.control, host="127.0.0.1", port=port) as server:
         console.print(f"metrics and status: {server.url}/metrics  {server.url}/status")
         with progress:
@@ -256,8 +256,6 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     import ray
 
     ray.shutdown()
-    if result.resumed_from:
-        console.print(f"resumed from the checkpoint at step {result.resumed_from}")
     if result.adapter_dir is None:
         console.print("[yellow]training stopped before the end; run the command again to resume[/yellow]")
         return 0
@@ -471,6 +469,11 @@ class _Progress:
 
     def __exit__(self, *exc):
         return self.progress.__exit__(*exc)
+
+    def resumed(self, step: int) -> None:
+        """Start the bar at the checkpoint's ``step`` (its time estimate from the steps trained from here on)."""
+        self.progress.reset(self.task, completed=step, info="")
+        self.console.print(f"resumed from the checkpoint at step {step}")  # above a live bar, or a line in a log
 
     def update(self, rec: dict) -> None:
         secs = rec["rollout_seconds"] + rec["learner_seconds"]
