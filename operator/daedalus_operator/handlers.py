@@ -422,7 +422,8 @@ def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
     Raises:
         kopf.TemporaryError: a kopf index kept changing while it was copied (:func:`_copy_retrying`).
         ValueError: the job's ``status.attemptStartTime`` is not an RFC 3339 timestamp (:func:`parse_time`; the
-            operator writes it, so only a status edited by hand; the CRD schema does not check the format).
+            operator writes it, and the CRD's ``format: date-time`` refuses other values, so only a status stored
+            before that CRD was installed).
     """
     key = (job.namespace, job.name)
     clusters = [c for c in _store_values(indexes.get("clusters_by_job"), key)
@@ -695,7 +696,8 @@ def reconcile(rt: Runtime, namespace: str, name: str, indexes: dict[str, Any], l
     Raises:
         kopf.TemporaryError: reading the job or another API call failed, or the status write failed (conflict or
             API error); kopf retries.
-        ValueError: a time in the job's status is not an RFC 3339 timestamp (a status edited by hand; :func:`gather`).
+        ValueError: a time in the job's status is not an RFC 3339 timestamp (a status edited by hand before the CRD
+            had ``format: date-time``; :func:`gather`).
     """
     started = time.monotonic()
     # The lock first, then the GET: a reconcile that waited here for another one of the same job (kopf starts

@@ -32,15 +32,18 @@ ANNOUNCED = {
 
 
 def parse_time(value: str | None) -> dt.datetime | None:
-    """Parse an RFC 3339 timestamp (``2026-01-02T03:04:05Z``, fractional seconds and offsets accepted) into an aware
-    UTC datetime; ``None`` for ``None`` or an empty string.
+    """Parse an RFC 3339 timestamp (``2026-01-02T03:04:05Z``, fractional seconds and offsets accepted, and the
+    lower-case ``t`` and ``z`` RFC 3339 allows, which the API server's ``format: date-time`` check accepts too) into
+    an aware UTC datetime; ``None`` for ``None`` or an empty string.
 
     Raises:
         ValueError: not an RFC 3339 timestamp.
     """
     if not value:
         return None
-    return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(dt.timezone.utc)
+    if value[-1] in "Zz":  # fromisoformat reads "Z" (Python 3.11) but not "z"
+        value = value[:-1] + "+00:00"
+    return dt.datetime.fromisoformat(value).astimezone(dt.timezone.utc)
 
 
 def format_time(value: dt.datetime) -> str:

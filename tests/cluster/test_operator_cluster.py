@@ -242,13 +242,22 @@ def test_every_status_field_the_operator_can_write_survives_structural_pruning(j
 def test_a_status_time_that_is_not_a_time_is_refused_by_the_api_server(jobs, admin, namespace):
     """The status times are ``format: date-time`` in the CRD (config.Timestamp), as metav1.Time is: a hand edit of
     the status (`kubectl edit --subresource=status`) cannot store a value the operator would fail to parse on every
-    reconcile; the operator's own format is accepted."""
+    reconcile; the operator's own format is accepted, and every other form the check accepts is one the operator
+    parses (lower-case ``z`` was not)."""
     from kmock_api import ApiError
+
+    from daedalus_operator.nodes import parse_time
 
     jobs.create(example(TINY, namespace))
     ok = {"attemptStartTime": "2026-11-30T08:00:00Z", "recovery": {"detectedAt": "2026-11-30T08:00:01Z"}}
     admin.patch(kube.RLTJ, namespace, "local-tiny", {"status": ok}, status=True)
     assert jobs.status("local-tiny")["attemptStartTime"] == "2026-11-30T08:00:00Z"
+    # what the check lets through, the operator reads: RFC 3339's lower-case t and z, fractions, offsets
+    for other in ("2026-11-30t08:00:00z", "2026-11-30T08:00:00.123456789Z", "2026-11-30T09:30:00+01:30"):
+        admin.patch(kube.RLTJ, namespace, "local-tiny", {"status": {"attemptStartTime": other}}, status=True)
+        stored = jobs.status("local-tiny")["attemptStartTime"]
+        assert parse_time(stored).replace(microsecond=0) == parse_time("2026-11-30T08:00:00Z"), stored
+    admin.patch(kube.RLTJ, namespace, "local-tiny", {"status": ok}, status=True)
     for bad in ({"attemptStartTime": "yesterday"}, {"recovery": {"detectedAt": "30/11/2026 08:00"}},
                 {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "now"}]}):
         with pytest.raises(ApiError) as info:

@@ -239,3 +239,13 @@ def test_not_ready_pods_on_good_nodes_are_listed_with_the_later_of_the_flip_and_
     now = t_start + dt.timedelta(seconds=30)
     assert h.stale_not_ready(now, 60.0) == (("w-flip",), 30.0)  # w-started: 30 s of its 60 left
     assert h.stale_not_ready(now, 0.0) == ((), None)  # 0: never (a recreated pod is not Ready at once)
+
+
+@pytest.mark.parametrize("value", ["2026-11-30T08:00:00Z", "2026-11-30t08:00:00z", "2026-11-30T08:00:00z",
+                                   "2026-11-30t08:00:00.5z", "2026-11-30T09:30:00+01:30"])
+def test_parse_time_reads_every_rfc_3339_form_the_api_server_stores(value) -> None:
+    """RFC 3339 allows a lower-case ``t`` and ``z``, and the API server's ``format: date-time`` check stores them
+    (kube-apiserver 1.20, tests/cluster): a status time edited to one must not fail every reconcile."""
+    from daedalus_operator.nodes import parse_time
+
+    assert parse_time(value).replace(microsecond=0) == dt.datetime(2026, 11, 30, 8, 0, tzinfo=dt.timezone.utc)
