@@ -687,11 +687,13 @@ def test_field_errors_say_the_cross_field_rules_were_not_checked(tmp_path, capsy
     assert info.value.note is None
 
 
-@pytest.mark.parametrize("warnings,omp,threads,verbosity", [(True, None, 1, "WARNING"), (False, "2", 2, "ERROR")])
+@pytest.mark.parametrize("warnings,omp,threads,verbosity", [(True, None, 1, "WARNING"), (False, "2", 2, "ERROR"),
+                                                            (False, "", 1, "ERROR"), (True, "3,1", 3, "WARNING")])
 def test_quiet_single_threaded_torch(warnings, omp, threads, verbosity):
     """The set-up `daedalus sft`, `eval` and `run` share (in a fresh interpreter: it changes process-wide state):
     one torch thread unless OMP_NUM_THREADS says otherwise, no transformers or Hub progress bars, and for `run` only
-    transformers' errors."""
+    transformers' errors. An empty OMP_NUM_THREADS is one thread, OpenMP's nested `3,1` its first level (both were a
+    ValueError traceback; `daedalus run` had ignored the variable)."""
     import subprocess
     import sys
 
@@ -704,3 +706,7 @@ def test_quiet_single_threaded_torch(warnings, omp, threads, verbosity):
         env["OMP_NUM_THREADS"] = omp
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == [str(threads), "False", str(getattr(logging, verbosity)), "1"]
+    if omp == "":  # what child processes (Ray workers) inherit
+        code += "\nprint(os.environ['OMP_NUM_THREADS'])\n"
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+        assert out.split()[-1] == "1"

@@ -99,13 +99,21 @@ def quiet_single_threaded_torch(*, warnings: bool = True) -> None:
     bar per model load, "Writing model shards" per save), which would interleave with the command's own. With
     ``warnings=False`` transformers logs errors only (``daedalus run``, whose screen is a live progress display).
     """
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not os.environ.get("OMP_NUM_THREADS", "").strip():  # unset, or set to nothing (OMP_NUM_THREADS=$UNSET)
+        os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import torch
 
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(_omp_threads(os.environ["OMP_NUM_THREADS"]))
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     if not warnings:
         transformers.utils.logging.set_verbosity_error()
+
+
+def _omp_threads(value: str) -> int:
+    """The thread count ``OMP_NUM_THREADS`` asks for: its first level (OpenMP's nested form ``4,2`` is 4 threads
+    here), 1 when that is not a whole number >= 1 (an unusable value costs speed, not the command)."""
+    first = value.split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) >= 1 else 1
