@@ -7,6 +7,7 @@ a CEL interpreter (cel-python) on objects defaulted the way the API server defau
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -346,6 +347,20 @@ def test_validate_reads_standard_input():
     assert lines[0] == "✓ <stdin> (RLTrainingJob document 1 of 2): RLTrainingJob 'local-tiny' is valid"
     assert lines[1] == "✗ <stdin> (RLTrainingJob document 2 of 2): 1 error(s)"
     assert "spec.environment.size" in lines[2]
+
+
+def test_validate_standard_input_that_is_not_utf8_or_is_closed_is_one_error_line():
+    """Bytes that are not UTF-8 are the same error as in a file, whatever the locale (under C or C.UTF-8 Python's
+    stdin let them through as surrogates, and YAML said "unacceptable character #xdcff"); a closed standard input is
+    an error line, not an AttributeError traceback."""
+    env = {**os.environ, "LC_ALL": "C"}
+    cmd = [sys.executable, "-m", "daedalus_trainer", "validate", "-"]
+    out = subprocess.run(cmd, input=b"kind: RLTrainingJob\nx: \xff\xfe\n", capture_output=True, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stdout.decode().splitlines()[1:] == ["    (file): is not UTF-8 text: expected a YAML or JSON file"]
+    closed = subprocess.run(["sh", "-c", 'exec "$@" <&-', "sh", *cmd], capture_output=True, text=True, env=env)
+    assert closed.returncode == 1 and not closed.stderr, closed.stdout + closed.stderr
+    assert closed.stdout.splitlines() == ["✗ <stdin>: 1 error(s)", "    (file): cannot be read: standard input is closed"]
 
 
 def test_validate_cli_checks_every_document_and_prints_messages_literally(tmp_path):

@@ -1149,10 +1149,18 @@ def load_documents(path: str | Path) -> list[Any]:
             no document.
     """
     if str(path) == "-":  # standard input, as kubectl reads `-f -`
+        path = Path("<stdin>")
+        if sys.stdin is None:  # closed (`<&-`): Python has no stdin object then
+            raise SpecError([("(file)", "cannot be read: standard input is closed")], str(path))
+        # The bytes, decoded as UTF-8 here: sys.stdin's own decoding depends on the locale, and under the C or
+        # C.UTF-8 locale it lets invalid bytes through as surrogates, which YAML then calls "special characters".
+        raw = getattr(sys.stdin, "buffer", None)
         try:
-            text, path = sys.stdin.read(), Path("<stdin>")
+            text = raw.read().decode("utf-8") if raw is not None else sys.stdin.read()
         except UnicodeDecodeError:
-            raise SpecError([("(file)", "is not UTF-8 text: expected a YAML or JSON file")], "<stdin>") from None
+            raise SpecError([("(file)", "is not UTF-8 text: expected a YAML or JSON file")], str(path)) from None
+        except OSError as exc:
+            raise SpecError([("(file)", f"cannot be read: {exc.strerror or exc}")], str(path)) from None
     else:
         path = Path(path)
         try:
