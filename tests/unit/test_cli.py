@@ -143,6 +143,65 @@ def test_train_rejects_a_resume_path_before_ray_starts(tmp_path, capsys, monkeyp
     assert not out.exists() and ray.is_initialized() == ray_before
 
 
+def _with_a_killed_resave(root: Path) -> Path:
+    """``root`` holding step 5 and, as the only copy of step 6, the ``.trash-step-000006-*`` a kill between a re-save's
+    two renames left (both rank-4 checkpoints, see :func:`_rank4_checkpoint`). Returns step 6's path once put back."""
+    import shutil
+
+    step5 = _rank4_checkpoint(root)
+    _rank4_checkpoint(root / "six")
+    shutil.move(root / "six" / "step-000005", root / ".trash-step-000006-0badc0de")
+    shutil.rmtree(root / "six")
+    state = json.loads((root / ".trash-step-000006-0badc0de" / "trainer_state.json").read_text())
+    state["step"] = 6
+    (root / ".trash-step-000006-0badc0de" / "trainer_state.json").write_text(json.dumps(state))
+    _rehash(root / ".trash-step-000006-0badc0de")  # the manifest lists trainer_state.json's size and hash
+    return step5.parent / "step-000006"
+
+
+def _rehash(path: Path) -> None:
+    import hashlib
+
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    for entry in manifest["files"]:
+        data = (path / entry["path"]).read_bytes()
+        entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
+def test_train_resume_path_of_its_own_root_puts_back_a_checkpoint_a_killed_resave_left_aside(tmp_path, capsys,
+                                                                                                monkeypatch):
+    """`daedalus train --resume <out>/checkpoints` (a root: its newest checkpoint) after a kill between the two
+    renames of a re-save of step 6: step 6 is put back first and is the one resumed (here refused by its adapter,
+    before Ray starts, naming it), as when the Trainer read the PATH itself; the early check had picked step 5."""
+    monkeypatch.setenv("DAEDALUS_METRICS_PORT", "0")
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(tiny_job_dict()))
+    out = tmp_path / "train"
+    step6 = _with_a_killed_resave(out / "checkpoints")
+    assert cli.main(["train", "--config", str(job_file), "--out", str(out), "--resume", str(out / "checkpoints")]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "r: checkpoint 4, this run 16" in err and str(step6) in err, err
+    assert step6.is_dir()
+
+
+def test_trainer_given_a_loaded_checkpoint_puts_back_its_own_root_s_replaced_checkpoint(tmp_path):
+    """Trainer.train(LoadedCheckpoint): the run directory's own checkpoint that a killed re-save left as .trash-* is
+    put back (as with a PATH), so the run moves it aside with the timeline it does not continue, not a later save's
+    clean-up back into the new one. Here the given checkpoint (another directory's) is refused by its adapter before
+    any actor starts."""
+    from daedalus_trainer.checkpoint import CheckpointError, load_checkpoint
+    from daedalus_trainer.config import parse_job
+    from daedalus_trainer.grpo import Trainer
+
+    run = tmp_path / "run"
+    own = _with_a_killed_resave(run / "checkpoints")
+    loaded = load_checkpoint(_rank4_checkpoint(tmp_path / "other" / "checkpoints"))
+    with pytest.raises(CheckpointError, match="r: checkpoint 4, this run 16"):
+        Trainer(parse_job(tiny_job_dict()), run, work_dir=tmp_path / "work").train(loaded)
+    assert own.is_dir()
+
+
 def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkeypatch):
     """A file where a directory must go, a port out of range or taken, a malformed environment variable: `error:`
     (or argparse's) one line and exit 2, before the model, Ray or training start; a bad $DAEDALUS_METRICS_PORT does

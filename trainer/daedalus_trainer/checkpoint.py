@@ -898,18 +898,21 @@ class CheckpointManager:
         """:func:`load_latest` on this root."""
         return load_latest(self.root)
 
-    def resume(self, resume: str) -> LoadedCheckpoint | None:
+    def resume(self, resume: str | LoadedCheckpoint) -> LoadedCheckpoint | None:
         """:func:`resolve_resume` on this root (reads and verifies; moves nothing: call
-        :meth:`abandon_other_timelines` once everything that could refuse the run has accepted it).
+        :meth:`abandon_other_timelines` once everything that could refuse the run has accepted it). A
+        :class:`LoadedCheckpoint` (one the caller has already read and verified) is returned as it is.
 
         A checkpoint that a re-save of its own step had moved to ``.trash-*`` when the process died, before the new
-        copy took its place, is put back first (:meth:`_restore_replaced`).
+        copy took its place, is put back first (:meth:`_restore_replaced`), in both cases: the run then moves it
+        aside with the rest of a timeline it does not continue, rather than a later save's clean-up putting it back
+        inside the new one.
 
         Raises:
             CheckpointError: see :func:`resolve_resume`.
         """
         self._restore_replaced()
-        return resolve_resume(resume, self.root)
+        return resume if isinstance(resume, LoadedCheckpoint) else resolve_resume(resume, self.root)
 
     def _restore_replaced(self) -> None:
         """Put back ``.trash-step-N-*`` as ``step-N`` where ``step-N`` is missing and it verifies: a save of a step

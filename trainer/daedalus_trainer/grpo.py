@@ -485,7 +485,7 @@ class Trainer:
 
             resolve_base_dir(job.spec.model, self.work_dir)
         # before the actors start: a bad --resume fails in a second, not minutes
-        loaded = manager.resume(resume) if isinstance(resume, str) else resume
+        loaded = manager.resume(resume)
         identity = run_identity(job, self.start_dir)
         if loaded is not None:
             check_adapter_matches(loaded.load_adapter_config(), self._expected_adapter(), loaded.path)
@@ -892,9 +892,11 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     target = Path(out_dir) if out_dir else run_dir_for(job)
     start: str | LoadedCheckpoint = resume
     if resume not in ("latest", "none"):  # a checkpoint PATH: verified now, not after Ray and the model start
-        from daedalus_trainer.checkpoint import resolve_resume
+        from daedalus_trainer.checkpoint import CheckpointManager
 
-        loaded = resolve_resume(resume, target / "checkpoints")
+        # through the run's own manager, as the Trainer did: a replaced checkpoint a kill left aside is put back
+        # before a PATH that is this run's checkpoints/ root picks its newest
+        loaded = CheckpointManager(target / "checkpoints", keep=job.spec.checkpoint.keep).resume(resume)
         if loaded is not None:  # always, for a PATH (resolve_resume raises instead)
             check_resumed_adapter(job, loaded)
             start = loaded  # the Trainer takes it as verified: the checkpoint is not hashed twice
