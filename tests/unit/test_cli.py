@@ -769,3 +769,26 @@ def test_quiet_single_threaded_torch(warnings, omp, threads, verbosity):
         code += "\nprint(os.environ['OMP_NUM_THREADS'])\n"
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
         assert out.split()[-1] == "1"
+
+
+def test_daedalus_run_progress_starts_at_the_resumed_step():
+    """_Progress.resumed: the bar starts at the checkpoint's step and counts on from there; a finished run's rerun
+    (nothing left to train) is a finished bar, 48/48 with 0:00:00 left, not -:--:-- (rich's reset leaves a task
+    unfinished even at its total)."""
+    from rich.console import Console
+
+    from daedalus_trainer.local import _Progress
+
+    def last_line(steps: list[int], resumed: int) -> str:
+        console = Console(file=io.StringIO(), force_terminal=True, width=100, color_system=None)
+        progress = _Progress(console, 48)
+        with progress:
+            progress.resumed(resumed)
+            for step in steps:
+                progress.update({"step": step, "rollout_seconds": 1.0, "learner_seconds": 1.0, "reward_mean": 0.5,
+                                 "success_ratio": 0.5, "episode_turns": 3.0, "rollout_tokens": 100})
+        return [line for line in console.file.getvalue().splitlines() if "GRPO" in line][-1]  # the last drawing
+
+    finished = last_line([], 48)
+    assert "48/48" in finished and "0:00:00" in finished and "-:--:--" not in finished, finished
+    assert "46/48" in last_line([45, 46], 44)

@@ -473,6 +473,9 @@ class _Progress:
     def resumed(self, step: int) -> None:
         """Start the bar at the checkpoint's ``step`` (its time estimate from the steps trained from here on)."""
         self.progress.reset(self.task, completed=step, info="")
+        # reset() leaves the task unfinished even at its total (the time column then shows -:--:-- for a finished
+        # run's rerun); update() marks it finished there, and adds no speed sample for the steps already done
+        self.progress.update(self.task, completed=step)
         self.console.print(f"resumed from the checkpoint at step {step}")  # above a live bar, or a line in a log
 
     def update(self, rec: dict) -> None:
