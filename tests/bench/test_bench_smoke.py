@@ -134,26 +134,29 @@ def project_api_problems(source: str, filename: str = "<script>") -> list[str]:
             except (TypeError, ValueError):
                 continue
             try:
-                signature.bind_partial(*[None] * len(node.args), **{k.arg: None for k in node.keywords})
+                signature.bind(*[None] * len(node.args), **{k.arg: None for k in node.keywords})
             except TypeError as e:
                 problems.append(f"line {node.lineno}: {label}(...) does not match {label}{signature}: {e}")
     return problems
 
 
 def test_the_static_check_finds_drift():
-    """The check is not vacuous: a missing name, a missing attribute (also one being patched) and a call with a
-    keyword the function no longer takes are each reported; the current use of the same functions is not."""
+    """The check is not vacuous: a missing name, a missing attribute (also one being patched), a call with a
+    keyword the function no longer takes and one without an argument it now requires are each reported; the current
+    use of the same functions is not."""
     good = ("from daedalus_trainer import sft\nfrom daedalus_trainer.tiny import build_tiny_checkpoint\n"
             "build_tiny_checkpoint('x', spec=None)\nsft.run_sft(None, 'out', resume=False, final_eval=False)\n")
     assert project_api_problems(good) == []
     bad = ("from daedalus_trainer import sft\nfrom daedalus_trainer.tiny import build_tiny_checkpoint, no_such_name\n"
            "import daedalus_trainer.policy as pm\npm.no_such_function = None\n"
-           "build_tiny_checkpoint('x', tiny_spec=None)\nsft.run_sft(None, 'out', resume=False, finalEval=False)\n")
+           "build_tiny_checkpoint('x', tiny_spec=None)\nsft.run_sft(None, 'out', resume=False, finalEval=False)\n"
+           "sft.check_same_run(job=None)\n")
     problems = "\n".join(project_api_problems(bad))
     assert "daedalus_trainer.tiny has no no_such_name" in problems
     assert "pm.no_such_function does not exist" in problems
     assert "build_tiny_checkpoint(...)" in problems and "tiny_spec" in problems
     assert "sft.run_sft(...)" in problems and "finalEval" in problems
+    assert "sft.check_same_run(...)" in problems and "missing a required argument: 'ckpt'" in problems
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[str(p.relative_to(BENCH)) for p in SCRIPTS])
