@@ -707,7 +707,8 @@ def test_packed_tensors_round_trip_bit_exactly_and_come_back_writable() -> None:
     w.grad = torch.randn(4, 3)
     opt.step()
     state = {"adapter": {"a": torch.randn(2, 5), "b16": torch.randn(3, 2).to(torch.bfloat16),
-                         "strided": torch.arange(12, dtype=torch.int64).reshape(3, 4).t()},
+                         "strided": torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),
+                         "empty": torch.zeros(0, 3)},  # "any shape": unpack had failed on no elements
              "optimizer": opt.state_dict(), "note": ("kept", 3)}
     packed = pack_tensors(state)
     leaf = packed["adapter"]["b16"]
@@ -719,6 +720,7 @@ def test_packed_tensors_round_trip_bit_exactly_and_come_back_writable() -> None:
     back = unpack_tensors(packed)
     for k, v in state["adapter"].items():
         assert back["adapter"][k].dtype == v.dtype and torch.equal(back["adapter"][k], v)
+        assert back["adapter"][k].shape == v.shape
     got, want = back["optimizer"], state["optimizer"]
     assert got["param_groups"] == want["param_groups"] and back["note"] == ("kept", 3)
     for k in ("step", "exp_avg", "exp_avg_sq"):

@@ -239,8 +239,11 @@ class PackedTensor:
     def unpack(self) -> torch.Tensor:
         """A writable CPU tensor equal to the packed one, bit for bit, of shape :attr:`shape` (one copy out of the
         read-only buffer)."""
+        dtype = getattr(torch, self.dtype)
+        if len(self.data) == 0:  # no elements (a 0 in the shape): an empty byte tensor cannot be viewed as another dtype
+            return torch.empty(self.shape, dtype=dtype)
         raw = torch.from_numpy(np.array(self.data, dtype=np.uint8, copy=True))
-        return raw.view(getattr(torch, self.dtype)).reshape(self.shape)
+        return raw.view(dtype).reshape(self.shape)
 
 
 def pack_tensors(tree: Any) -> Any:
