@@ -360,7 +360,8 @@ def test_validate_standard_input_that_is_not_utf8_or_is_closed_is_one_error_line
     assert out.stdout.decode().splitlines()[1:] == ["    (file): is not UTF-8 text: expected a YAML or JSON file"]
     closed = subprocess.run(["sh", "-c", 'exec "$@" <&-', "sh", *cmd], capture_output=True, text=True, env=env)
     assert closed.returncode == 1 and not closed.stderr, closed.stdout + closed.stderr
-    assert closed.stdout.splitlines() == ["✗ <stdin>: 1 error(s)", "    (file): cannot be read: standard input is closed"]
+    assert closed.stdout.splitlines() == ["✗ <stdin>: 1 error(s)",
+                                          "    (file): cannot be read: standard input is closed"]
 
 
 def test_validate_cli_checks_every_document_and_prints_messages_literally(tmp_path):

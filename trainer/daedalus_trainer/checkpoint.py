@@ -240,7 +240,7 @@ class PackedTensor:
         """A writable CPU tensor equal to the packed one, bit for bit, of shape :attr:`shape` (one copy out of the
         read-only buffer)."""
         dtype = getattr(torch, self.dtype)
-        if len(self.data) == 0:  # no elements (a 0 in the shape): an empty byte tensor cannot be viewed as another dtype
+        if len(self.data) == 0:  # no elements (a 0 in the shape): an empty byte tensor cannot be viewed as a dtype
             return torch.empty(self.shape, dtype=dtype)
         raw = torch.from_numpy(np.array(self.data, dtype=np.uint8, copy=True))
         return raw.view(dtype).reshape(self.shape)
