@@ -364,6 +364,13 @@ def test_validate_standard_input_that_is_not_utf8_or_is_closed_is_one_error_line
                                           "    (file): cannot be read: standard input is closed"]
 
 
+def test_validate_refuses_standard_input_twice():
+    out = subprocess.run([sys.executable, "-m", "daedalus_trainer", "validate", "-", "-"], input="kind: x\n",
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == "error: - (standard input) is given more than once; it can be read only once"
+
+
 def test_validate_cli_checks_every_document_and_prints_messages_literally(tmp_path):
     """A later broken document is not hidden by a valid first one; a missing name is reported as the API server
     would; a list in a message keeps its brackets (rich markup is escaped)."""

@@ -49,7 +49,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from daedalus_trainer.config import SpecError, duplicate_name_errors, load_documents, parse_job
+    from daedalus_trainer.usage import UsageError
 
+    if args.files.count("-") > 1:  # the second read would find standard input empty: "holds no document"
+        raise UsageError("- (standard input) is given more than once; it can be read only once")
     console = Console(stderr=False, highlight=False, soft_wrap=True)
     status = 0
     for given in args.files:
