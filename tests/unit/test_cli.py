@@ -792,3 +792,16 @@ def test_daedalus_run_progress_starts_at_the_resumed_step():
     finished = last_line([], 48)
     assert "48/48" in finished and "0:00:00" in finished and "-:--:--" not in finished, finished
     assert "46/48" in last_line([45, 46], 44)
+
+
+def test_eval_takes_away_the_output_directories_it_made_when_the_model_does_not_load(tmp_path, capsys):
+    """--gif and --json directories are made before the evaluation (a bad path fails in a second); when the model
+    then does not load, the ones this command made are removed again, and a directory that was there stays."""
+    there = tmp_path / "there"
+    there.mkdir()
+    argv = ["eval", EXAMPLE, "--model", str(tmp_path / "no-such-model"), "--gif", str(tmp_path / "a" / "b" / "gifs"),
+            "--json", str(there / "new" / "report.json")]
+    assert cli.main(argv) == 2
+    assert "no-such-model does not exist" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["there"] and list(there.iterdir()) == []
+

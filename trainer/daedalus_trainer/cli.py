@@ -155,7 +155,7 @@ def _check_eval_dirs(model: str, adapter: str | None) -> None:
 def _cmd_eval(args: argparse.Namespace) -> int:
     job = _load(args.config)  # a typo in the YAML is reported before seconds of imports
     from daedalus_trainer import evaluation
-    from daedalus_trainer.usage import UsageError, make_dir, quiet_single_threaded_torch
+    from daedalus_trainer.usage import UsageError, make_dir, new_dirs, quiet_single_threaded_torch, remove_empty_dirs
 
     quiet_single_threaded_torch()
 
@@ -165,25 +165,33 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                          f"(environment.evalMazes); give --mazes {eval_set} or fewer, or raise environment.evalMazes "
                          "(which also holds more layouts out of training)")
     _check_eval_dirs(args.model, args.adapter)
+    created: list[tuple[Path, Path | None]] = []  # (directory, the outermost one make_dir created for it)
     if args.json:  # before minutes of evaluation, not after
         if Path(args.json).is_dir():
             raise UsageError(f"--json {args.json} is a directory; give the path of the JSON file to write")
-        make_dir(Path(args.json).parent, "--json")
+        top = new_dirs(Path(args.json).parent)
+        created.append((make_dir(Path(args.json).parent, "--json"), top))
     if args.gif:  # likewise: the GIFs are written after the evaluation
         if "image" not in job.spec.environment.observation:  # they are drawn from the episodes' images
             raise UsageError(f"--gif: the job's environment.observation is {job.spec.environment.observation!r}: "
                              "its episodes have no images to draw GIFs from (use 'image' or 'image+ascii')")
         if Path(args.gif).exists() and not Path(args.gif).is_dir():
             raise UsageError(f"--gif {args.gif} is a file; give the directory to write the GIFs into")
-        make_dir(args.gif, "--gif")
+        top = new_dirs(args.gif)
+        created.append((make_dir(args.gif, "--gif"), top))
     from rich.console import Console
 
     console = Console()
-    with evaluation.EvalProgress(console) as progress:
-        report = evaluation.run_eval(
-            job, args.model, adapter_path=args.adapter, greedy=True, sampled=not args.greedy_only,
-            gif_dir=args.gif, n=args.mazes, split=args.split, progress=progress,
-        )
+    try:
+        with evaluation.EvalProgress(console) as progress:
+            report = evaluation.run_eval(
+                job, args.model, adapter_path=args.adapter, greedy=True, sampled=not args.greedy_only,
+                gif_dir=args.gif, n=args.mazes, split=args.split, progress=progress,
+            )
+    except BaseException:  # the model did not load, Ctrl-C, ...: the directories made for the outputs go again
+        for path, top in created:
+            remove_empty_dirs(path, top)
+        raise
     console.print(report.table())
     if args.json:
         from daedalus_trainer.checkpoint import atomic_write_text

@@ -41,6 +41,29 @@ def make_dir(path: str | Path, what: str) -> Path:
     return path
 
 
+def new_dirs(path: str | Path) -> Path | None:
+    """The outermost directory that :func:`make_dir` would create for ``path`` (``path`` itself or one of its
+    parents), or None when ``path`` exists: what :func:`remove_empty_dirs` may take away again."""
+    path = Path(path).absolute()
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    return missing[-1] if missing else None
+
+
+def remove_empty_dirs(path: str | Path, top: Path | None) -> None:
+    """Remove ``path`` and its parents up to ``top`` (included) while they are empty directories: undoes a
+    :func:`make_dir` whose command then failed before it wrote anything there. Never raises."""
+    if top is None:
+        return
+    path = Path(path).absolute()
+    for p in (path, *path.parents):
+        try:
+            p.rmdir()  # only an empty directory
+        except OSError:
+            return
+        if p == top:
+            return
+
+
 def port_number(text: str | int, what: str) -> int:
     """``text`` as a TCP port number (0-65535).
 
