@@ -6,10 +6,10 @@ they call (``daedalus_trainer``, ``daedalus_operator``, ``tests/support``) keeps
   binds to its current signature (keyword names, number of positional arguments): the drift a refactor leaves
   behind, found without running anything.
 - Every script with a command line answers ``--help`` in a subprocess.
-- The cheapest real invocation of three scripts (``checkpoint.py``'s is ``slow``, ~20 s), covering the operator (``operator_scale.py``: kopf, kmock, the fake
-  KubeRay and Ray Jobs API), the checkpoint path with a local Ray (``checkpoint.py``) and the in-process trainer
-  (``experiments/grpo_restart_states.py``: ``Learner``, ``RolloutWorker``, evaluation, paired gain), with the figures
-  they print checked. The other scripts take longer even at their smallest settings (bench/README.md, "Smoke
+- The cheapest real invocation of three scripts (``checkpoint.py``'s is ``slow``, ~20 s), covering the operator
+  (``operator_scale.py``: kopf, kmock, the fake KubeRay and Ray Jobs API), the checkpoint path with a local Ray
+  (``checkpoint.py``) and the in-process trainer (``experiments/grpo_restart_states.py``: ``Learner``,
+  ``RolloutWorker``, evaluation, paired gain), with the figures they print checked. The other scripts take longer even at their smallest settings (bench/README.md, "Smoke
   tests").
 
 Scripts run as the README runs them (``python bench/x.py`` from the repository root), with this checkout's packages
@@ -52,7 +52,8 @@ def script_env() -> dict[str, str]:
 
 
 def run_script(rel: str, *args: str, timeout: float) -> str:
-    """Run ``python bench/<rel> args...`` from the repository root; return stdout + stderr (fails on a non-zero exit)."""
+    """Run ``python bench/<rel> args...`` from the repository root; return stdout + stderr (fails on a non-zero
+    exit)."""
     t = time.perf_counter()
     res = subprocess.run([sys.executable, str(BENCH / rel), *args], cwd=ROOT, env=script_env(), capture_output=True,
                          text=True, timeout=timeout)

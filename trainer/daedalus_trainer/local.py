@@ -248,7 +248,8 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     port = _free_port(port)
     progress = _Progress(console, job.spec.algorithm.steps)
     trainer = Trainer(job, run_dir, start_dir=start_dir, work_dir=work_dir, on_step=progress.update,
-                      on_resume=progress.resumed, final_eval=False)  # the full before/after evaluation below replaces it
+                      on_resume=progress.resumed,
+                      final_eval=False)  # the full before/after evaluation below replaces it
     with TrainerServer(trainer.metrics, trainer.control, host="127.0.0.1", port=port) as server:
         console.print(f"metrics and status: {server.url}/metrics  {server.url}/status")
         with progress:
