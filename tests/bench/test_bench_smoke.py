@@ -9,8 +9,8 @@ they call (``daedalus_trainer``, ``daedalus_operator``, ``tests/support``) keeps
 - The cheapest real invocation of three scripts (``checkpoint.py``'s is ``slow``, ~20 s), covering the operator
   (``operator_scale.py``: kopf, kmock, the fake KubeRay and Ray Jobs API), the checkpoint path with a local Ray
   (``checkpoint.py``) and the in-process trainer (``experiments/grpo_restart_states.py``: ``Learner``,
-  ``RolloutWorker``, evaluation, paired gain), with the figures they print checked. The other scripts take longer even at their smallest settings (bench/README.md, "Smoke
-  tests").
+  ``RolloutWorker``, evaluation, paired gain), with the figures they print checked. The other scripts take
+  longer even at their smallest settings (bench/README.md, "Smoke tests").
 
 Scripts run as the README runs them (``python bench/x.py`` from the repository root), with this checkout's packages
 first on ``PYTHONPATH``.
