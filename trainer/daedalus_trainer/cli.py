@@ -166,19 +166,22 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                          "(which also holds more layouts out of training)")
     _check_eval_dirs(args.model, args.adapter)
     created: list[tuple[Path, Path | None]] = []  # (directory, the outermost one make_dir created for it)
+
+    def make_output_dir(path: str | Path, what: str) -> None:  # now, so that a bad path fails in a second
+        top = new_dirs(path)
+        created.append((make_dir(path, what), top))
+
     if args.json:  # before minutes of evaluation, not after
         if Path(args.json).is_dir():
             raise UsageError(f"--json {args.json} is a directory; give the path of the JSON file to write")
-        top = new_dirs(Path(args.json).parent)
-        created.append((make_dir(Path(args.json).parent, "--json"), top))
+        make_output_dir(Path(args.json).parent, "--json")
     if args.gif:  # likewise: the GIFs are written after the evaluation
         if "image" not in job.spec.environment.observation:  # they are drawn from the episodes' images
             raise UsageError(f"--gif: the job's environment.observation is {job.spec.environment.observation!r}: "
                              "its episodes have no images to draw GIFs from (use 'image' or 'image+ascii')")
         if Path(args.gif).exists() and not Path(args.gif).is_dir():
             raise UsageError(f"--gif {args.gif} is a file; give the directory to write the GIFs into")
-        top = new_dirs(args.gif)
-        created.append((make_dir(args.gif, "--gif"), top))
+        make_output_dir(args.gif, "--gif")
     from rich.console import Console
 
     console = Console()

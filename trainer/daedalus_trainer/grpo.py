@@ -856,6 +856,24 @@ def check_resumed_adapter(job, loaded) -> None:
     check_adapter_matches(loaded.load_adapter_config(), expected, loaded.path)
 
 
+def resume_checkpoint(job, root: str | Path, resume: str) -> LoadedCheckpoint | None:
+    """The checkpoint ``--resume`` names for ``job`` (``latest`` | ``none`` | a PATH), read, verified and its LoRA
+    adapter checked before SFT or Ray start, through the run's :class:`~daedalus_trainer.checkpoint.CheckpointManager`
+    on ``root`` (which first puts back a checkpoint a killed re-save left aside). Hand it to :meth:`Trainer.train`,
+    which then does not hash it again. None: nothing to resume (``none``, or ``latest`` with no checkpoint yet).
+
+    Raises:
+        daedalus_trainer.checkpoint.CheckpointError: as :meth:`CheckpointManager.resume` and
+            :func:`check_resumed_adapter`.
+    """
+    from daedalus_trainer.checkpoint import CheckpointManager
+
+    loaded = CheckpointManager(root, keep=job.spec.checkpoint.keep).resume(resume)
+    if loaded is not None:
+        check_resumed_adapter(job, loaded)
+    return loaded
+
+
 def main_train(config: str, resume: str = "latest", out_dir: str | None = None) -> int:
     """`daedalus train`: the Ray job's entrypoint on a cluster (the operator submits
     ``python -m daedalus_trainer train --config /etc/daedalus/config.json --resume latest``).
@@ -892,14 +910,7 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     target = Path(out_dir) if out_dir else run_dir_for(job)
     start: str | LoadedCheckpoint = resume
     if resume not in ("latest", "none"):  # a checkpoint PATH: verified now, not after Ray and the model start
-        from daedalus_trainer.checkpoint import CheckpointManager
-
-        # through the run's own manager, as the Trainer did: a replaced checkpoint a kill left aside is put back
-        # before a PATH that is this run's checkpoints/ root picks its newest
-        loaded = CheckpointManager(target / "checkpoints", keep=job.spec.checkpoint.keep).resume(resume)
-        if loaded is not None:  # always, for a PATH (resolve_resume raises instead)
-            check_resumed_adapter(job, loaded)
-            start = loaded  # the Trainer takes it as verified: the checkpoint is not hashed twice
+        start = resume_checkpoint(job, target / "checkpoints", resume) or resume  # a PATH always loads or raises
     run_dir = make_dir(target, "--out" if out_dir else "checkpoint.path")
     init_ray(local=False)
     trainer = Trainer(job, run_dir)

@@ -193,18 +193,16 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         # checkpoints go aside before SFT starts over, so that an interrupted run is never followed by a `latest`
         # resume of the old timeline on top of a new SFT model.
         from daedalus_trainer.checkpoint import CheckpointError, CheckpointManager
-        from daedalus_trainer.grpo import check_resumed_adapter
+        from daedalus_trainer.grpo import resume_checkpoint
 
         try:
-            manager = CheckpointManager(run_dir / "checkpoints", keep=job.spec.checkpoint.keep)
-            loaded = manager.resume(resume)
-            if loaded is None:
-                manager.abandon_other_timelines(None)
-            else:
-                check_resumed_adapter(job, loaded)
-                start = loaded
+            loaded = resume_checkpoint(job, run_dir / "checkpoints", resume)
         except CheckpointError as exc:
             return refuse(f"--resume {resume}: {exc}")
+        if loaded is None:
+            CheckpointManager(run_dir / "checkpoints", keep=job.spec.checkpoint.keep).abandon_other_timelines(None)
+        else:
+            start = loaded
     make_dir(run_dir, "--runs-dir")
     console.print(f"[bold]daedalus run[/bold] {escape(str(job_path))}: job [cyan]{job.metadata.name}[/cyan] -> "
                   f"{escape(str(run_dir))}/ "
