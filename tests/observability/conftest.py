@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from obslib import RULES, Prometheus, require_binary
+from obslib import QUEUED_JOB, QUEUED_NAMESPACE, RULES, Prometheus, require_binary
 
 #: RLTrainingJob identity the exporters report (labels `job` and `namespace`).
 JOB = "maze-tiny"
@@ -120,6 +120,7 @@ def operator_exporter() -> Iterator[Exporter | Missing]:
             if tick == 4:
                 metrics.recovery_seconds.observe(42.0)
             metrics.observe_job(NAMESPACE, JOB, phase, restarts)
+            metrics.observe_job(QUEUED_NAMESPACE, QUEUED_JOB, "Pending", 0)
             metrics.reconciles.labels(result="requeue").inc(3)
             # Quiet while training (not on tick 4, just after the recovery): the poll budget skips its ticks.
             if phase == "Running" and tick != 4:

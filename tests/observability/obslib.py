@@ -29,6 +29,11 @@ RULES = CHART / "files" / "rules.yaml"
 RULES_TEST = Path(__file__).resolve().parent / "rules_test.yaml"
 DASHBOARDS = CHART / "dashboards"
 
+#: A second job the operator knows but which never starts training (Pending throughout, no trainer metrics): the
+#: training dashboard must still list it, so a user can find a job stuck before its first step.
+QUEUED_JOB = "maze-queued"
+QUEUED_NAMESPACE = "ml-research"
+
 TRAINER_METRICS = {
     # name: type
     "daedalus_train_step": "gauge",
