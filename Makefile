@@ -24,12 +24,15 @@ help:
 	@echo "#   make clean     - remove .venv and runs/"
 
 # CPU torch first (the wheel on disk; never the CUDA build), then the project with its CPU extras.
+# One shell, so that the set-up's duration can be printed at the end (make run's total = this + the run's own time).
 $(STAMP): pyproject.toml constraints-cpu.txt
-	@test -x $(VENV)/bin/pip || $(PYTHON) -m venv $(VENV) || { echo "python venv failed (Debian: apt-get install python3-venv)"; exit 1; }
-	$(PIP) install --upgrade pip setuptools wheel
-	$(PIP) install -c constraints-cpu.txt torch==2.13.0
-	$(PIP) install -c constraints-cpu.txt -e '.[operator,trainer,test]'
-	@touch $@
+	@set -e; start=$$SECONDS; \
+	test -x $(VENV)/bin/pip || $(PYTHON) -m venv $(VENV) || { echo "python venv failed (Debian: apt-get install python3-venv)"; exit 1; }; \
+	echo "$(PIP) install --upgrade pip setuptools wheel"; $(PIP) install --upgrade pip setuptools wheel; \
+	echo "$(PIP) install -c constraints-cpu.txt torch==2.13.0"; $(PIP) install -c constraints-cpu.txt torch==2.13.0; \
+	echo "$(PIP) install -c constraints-cpu.txt -e '.[operator,trainer,test]'"; \
+	$(PIP) install -c constraints-cpu.txt -e '.[operator,trainer,test]'; \
+	touch $@; echo "set-up: $(VENV) ready in $$((SECONDS - start)) s"
 
 setup: $(STAMP)
 
