@@ -513,10 +513,9 @@ def check_same_run(ckpt: Path, job: Any, state: SFTState | None = None) -> None:
 def _damaged(ckpt: Path, file: str, exc: BaseException) -> Exception:
     """The :class:`~daedalus_trainer.checkpoint.CheckpointError` for the SFT checkpoint ``ckpt`` whose ``file``
     cannot be read: the first sentence of what ``exc`` (or the error it was raised from) says, and the way on."""
-    from daedalus_trainer.checkpoint import CheckpointError
+    from daedalus_trainer.checkpoint import CheckpointError, error_reason
 
-    cause = exc.__cause__ or exc
-    reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0].split(". ")[0].rstrip(".")
+    reason = error_reason(exc.__cause__ or exc, sentence=True)
     return CheckpointError(
         f"the SFT checkpoint {ckpt} cannot be read ({file}: {reason}): it is damaged (a disk error, or a file changed "
         "or cut short by hand). Train SFT again into the same directory (`daedalus sft JOB.yaml --no-resume`, or "
