@@ -579,6 +579,47 @@ def test_a_truncated_cached_evaluation_is_evaluated_again_with_a_warning(tiny_ch
     assert cached(second) == (held_out, training) and "EVALUATING" not in second.getvalue()
 
 
+def test_the_run_report_names_the_model_and_adapters_by_absolute_paths(tiny_checkpoint, tmp_path, monkeypatch):
+    """``report.json`` is read later from elsewhere: the evaluations in it name the model and adapter evaluated by
+    absolute paths, as its ``adapter`` (the exported one) already was, even when the job gave them relative to the
+    working directory, and when the evaluation comes from a cache that recorded them as given (an older version)
+    or from another working directory. Before, ``model_path``/``adapter_path`` were as given, often relative."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from daedalus_trainer.local import _report
+    from daedalus_trainer.policy import load_pretrained
+
+    job = make_tiny_job(None, environment={"evalMazes": 2, "evalCorners": 1, "maxTurns": 2})
+    policy = load_pretrained(tiny_checkpoint, "float32", "cpu")
+    policy.add_lora(job.spec.lora)
+    policy.save_adapter(tmp_path / "sft-adapter")
+    (tmp_path / "base").symlink_to(tiny_checkpoint)
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    evaluated = _cached_evaluation(Console(file=out, width=200), job, "base", "sft-adapter", Path("run"), "before",
+                                   title="EVALUATING")
+    assert "EVALUATING" in out.getvalue()
+    for ev in evaluated:
+        assert (ev["model_path"], ev["adapter_path"]) == (str(tmp_path / "base"), str(tmp_path / "sft-adapter"))
+    # a cache that recorded the paths as given, read from another working directory: the same files, absolute
+    cache = tmp_path / "run" / "eval-before.json"
+    cache.write_text(json.dumps(dict(json.loads(cache.read_text()), model_path="base", adapter_path="sft-adapter")))
+    monkeypatch.chdir(tmp_path / "run")
+    out = io.StringIO()
+    before = _cached_evaluation(Console(file=out, width=200), job, "../base", "../sft-adapter", Path("."), "before",
+                                title="EVALUATING")
+    assert "EVALUATING" not in out.getvalue()
+    for ev in before:
+        assert (ev["model_path"], ev["adapter_path"]) == (str(tmp_path / "base"), str(tmp_path / "sft-adapter"))
+    result = SimpleNamespace(steps_done=2, wall_seconds=1.0, adapter_dir=Path("exports/adapter"))
+    report = _report(job, before[0], before[0], result, 2.0, training=(before[1], before[1]))
+    assert report["adapter"] == str(tmp_path / "run" / "exports" / "adapter")
+    assert report["before"]["model_path"] == report["after_training"]["model_path"] == str(tmp_path / "base")
+
+
 def test_a_rerun_keeps_the_timings_of_a_readable_report_only(tmp_path, caplog):
     """A rerun of a finished run reports the timings of the call that trained, read back from ``report.json``; a
     report cut short by an interrupted in-place write is a warning naming it (this call's timings are reported),
