@@ -846,3 +846,42 @@ def test_eval_takes_away_the_output_directories_it_made_when_the_model_does_not_
     assert "no-such-model does not exist" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there"] and list(there.iterdir()) == []
 
+
+
+@pytest.mark.parametrize("argv,example", [
+    (["run", "--help"], "daedalus run -"), (["train", "--help"], "daedalus train --config -"),
+    (["sft", "--help"], "daedalus sft -"), (["eval", "--help"], "daedalus eval - --model DIR"),
+])
+def test_the_commands_that_read_a_job_say_that_dash_reads_standard_input(argv, example, capsys):
+    """`run`, `train`, `sft` and `eval` read their job with load_job, which takes ``-`` for standard input; their
+    --help says so, with an example (before, only `validate -` was documented)."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at the terminal's width
+    assert info.value.code == 0
+    assert f"- reads the job from standard input (kubectl get rltj NAME -o yaml | {example})" in help_text
+
+
+def test_eval_and_sft_read_the_job_from_standard_input(tiny_checkpoint, tmp_path):
+    """`daedalus eval -` evaluates the job piped in (its name, not a file's, is in the report), in its own process
+    with a real standard input; `daedalus sft -` given an invalid job there names <stdin> and the field, exit 2,
+    before anything is created."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", TERM="dumb")
+    job = tiny_job_dict(environment={"evalMazes": 2, "maxTurns": 2})
+    job["metadata"]["name"] = "from-stdin"
+    report = tmp_path / "eval.json"
+    done = subprocess.run([sys.executable, "-m", "daedalus_trainer", "eval", "-", "--model", str(tiny_checkpoint),
+                           "--greedy-only", "--mazes", "1", "--json", str(report)], input=yaml.safe_dump(job),
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    ev = json.loads(report.read_text())
+    assert ev["job"] == "from-stdin" and ev["mazes"] == 1 and [r["mode"] for r in ev["results"]] == ["greedy"]
+    job["spec"]["environment"]["size"] = 10
+    bad = subprocess.run([sys.executable, "-m", "daedalus_trainer", "sft", "-"], input=yaml.safe_dump(job),
+                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.startswith("error: <stdin>") and "spec.environment.size" in bad.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]  # no runs/from-stdin/sft
