@@ -663,6 +663,20 @@ def test_sft_progress_in_a_log_is_plain_lines(tmp_path, capfd):
     assert lines[-1].endswith("; stopped: all 12 steps done")
 
 
+def test_sft_periodic_evaluations_are_progress_on_stderr(tmp_path, capfd):
+    """The ``sft.evalEvery`` evaluations' lines go to stderr with the rest of the progress (before, tqdm.write put
+    them on stdout, where a command's result goes); the history records the same figures."""
+    job = make_tiny_job(None, sft={"steps": 4, "batchSize": 4, "learningRate": 0.003, "maxSeconds": 0,
+                                   "evalEvery": 2}, environment={"evalMazes": 2, "maxTurns": 2})
+    sft.run_sft(job, tmp_path, resume=False, progress=True, final_eval=False, log_every=4, accuracy_turns=4)
+    out, err = capfd.readouterr()
+    assert "held-out greedy success" not in out
+    evals = [h for h in json.loads((tmp_path / sft.REPORT_NAME).read_text())["history"] if "eval_greedy_success" in h]
+    assert [h["step"] for h in evals] == [2]  # not at the last step: the final evaluation is SFT's own
+    assert [line for line in err.splitlines() if "held-out greedy success" in line] == [
+        f"step 2: held-out greedy success {evals[0]['eval_greedy_success']:.2f}"]
+
+
 def test_sft_ends_with_a_line_at_the_step_reached_saying_why_it_stopped(tmp_path, capfd):
     """A time budget that a checkpoint write (counted in it) runs out after the last measurement still ends with the
     100% line, at the step reached, saying the time budget stopped SFT, and the history holds that step's accuracy;

@@ -620,7 +620,8 @@ def run_sft(
     Keyword args: ``progress`` (tqdm bar on stderr with loss, step accuracy, tokens/s, training seconds and, with
     ``sft.onPolicyFraction > 0``, ``train_greedy``: the policy's greedy success on the last pool's training mazes;
     when stderr is not a terminal, one plain line with those figures per tenth of the budget instead; either way a
-    last plain line at the step reached says whether the steps or the time budget ended the run),
+    last plain line at the step reached says whether the steps or the time budget ended the run; the line of each
+    ``sft.evalEvery`` evaluation goes to stderr too, with or without ``progress``),
     ``final_eval`` (greedy evaluation on the held-out set at the end, stored in the report), ``checkpoint_seconds``,
     ``log_every`` (steps between step-accuracy measurements), ``accuracy_turns`` (held-out turns they use),
     ``on_step`` (called with the state after every optimizer step, e.g. for metrics; a ``KeyboardInterrupt`` raised
@@ -783,7 +784,9 @@ def run_sft(
                 res = _greedy_eval(policy, spec)
                 state.eval_seconds += time.perf_counter() - t1
                 state.history.append({"step": state.step, "eval_greedy_success": res["success_rate"]})
-                bar.write(f"step {state.step}: held-out greedy success {res['success_rate']:.2f}")
+                # progress, like the bar and the plain lines: on stderr (tqdm.write's default is stdout), where a
+                # live bar is cleared for it and redrawn below it
+                bar.write(f"step {state.step}: held-out greedy success {res['success_rate']:.2f}", file=sys.stderr)
             if on_step is not None:
                 on_step(state)
             while marks and state.seconds >= marks[0]:
