@@ -770,3 +770,17 @@ def test_identity_differences_names_each_differing_field_shared_by_both():
         "algorithm.seed: 0 there, 1 in this job", "the start differs"]
     assert identity_differences(saved, dict(saved, **{"new.field": 3})) == []
     assert identity_differences(None, now) == [] and identity_differences({}, now) == []
+
+
+def test_error_reason_is_the_first_line_or_sentence_without_its_full_stop():
+    """The one helper behind the one-line load errors of policy.py (first line) and sft.py (first sentence): a
+    multi-line message keeps its first line, ``sentence`` cuts that line at its first ". ", the closing full stop
+    goes, and an exception without a message is named by its type."""
+    from daedalus_trainer.checkpoint import error_reason
+
+    exc = ValueError("Unrecognized configuration class Foo. Use one of Bar.\nModel type should be one of X, Y.")
+    assert error_reason(exc) == "Unrecognized configuration class Foo. Use one of Bar"
+    assert error_reason(exc, sentence=True) == "Unrecognized configuration class Foo"
+    assert error_reason(OSError("  Error no file named model.safetensors found in directory /m.  ")) == \
+        "Error no file named model.safetensors found in directory /m"
+    assert error_reason(EOFError()) == "EOFError" and error_reason(EOFError(""), sentence=True) == "EOFError"

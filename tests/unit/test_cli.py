@@ -579,6 +579,47 @@ def test_a_truncated_cached_evaluation_is_evaluated_again_with_a_warning(tiny_ch
     assert cached(second) == (held_out, training) and "EVALUATING" not in second.getvalue()
 
 
+def test_the_run_report_names_the_model_and_adapters_by_absolute_paths(tiny_checkpoint, tmp_path, monkeypatch):
+    """``report.json`` is read later from elsewhere: the evaluations in it name the model and adapter evaluated by
+    absolute paths, as its ``adapter`` (the exported one) already was, even when the job gave them relative to the
+    working directory, and when the evaluation comes from a cache that recorded them as given (an older version)
+    or from another working directory. Before, ``model_path``/``adapter_path`` were as given, often relative."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from daedalus_trainer.local import _report
+    from daedalus_trainer.policy import load_pretrained
+
+    job = make_tiny_job(None, environment={"evalMazes": 2, "evalCorners": 1, "maxTurns": 2})
+    policy = load_pretrained(tiny_checkpoint, "float32", "cpu")
+    policy.add_lora(job.spec.lora)
+    policy.save_adapter(tmp_path / "sft-adapter")
+    (tmp_path / "base").symlink_to(tiny_checkpoint)
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    evaluated = _cached_evaluation(Console(file=out, width=200), job, "base", "sft-adapter", Path("run"), "before",
+                                   title="EVALUATING")
+    assert "EVALUATING" in out.getvalue()
+    for ev in evaluated:
+        assert (ev["model_path"], ev["adapter_path"]) == (str(tmp_path / "base"), str(tmp_path / "sft-adapter"))
+    # a cache that recorded the paths as given, read from another working directory: the same files, absolute
+    cache = tmp_path / "run" / "eval-before.json"
+    cache.write_text(json.dumps(dict(json.loads(cache.read_text()), model_path="base", adapter_path="sft-adapter")))
+    monkeypatch.chdir(tmp_path / "run")
+    out = io.StringIO()
+    before = _cached_evaluation(Console(file=out, width=200), job, "../base", "../sft-adapter", Path("."), "before",
+                                title="EVALUATING")
+    assert "EVALUATING" not in out.getvalue()
+    for ev in before:
+        assert (ev["model_path"], ev["adapter_path"]) == (str(tmp_path / "base"), str(tmp_path / "sft-adapter"))
+    result = SimpleNamespace(steps_done=2, wall_seconds=1.0, adapter_dir=Path("exports/adapter"))
+    report = _report(job, before[0], before[0], result, 2.0, training=(before[1], before[1]))
+    assert report["adapter"] == str(tmp_path / "run" / "exports" / "adapter")
+    assert report["before"]["model_path"] == report["after_training"]["model_path"] == str(tmp_path / "base")
+
+
 def test_a_rerun_keeps_the_timings_of_a_readable_report_only(tmp_path, caplog):
     """A rerun of a finished run reports the timings of the call that trained, read back from ``report.json``; a
     report cut short by an interrupted in-place write is a warning naming it (this call's timings are reported),
@@ -805,3 +846,42 @@ def test_eval_takes_away_the_output_directories_it_made_when_the_model_does_not_
     assert "no-such-model does not exist" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there"] and list(there.iterdir()) == []
 
+
+
+@pytest.mark.parametrize("argv,example", [
+    (["run", "--help"], "daedalus run -"), (["train", "--help"], "daedalus train --config -"),
+    (["sft", "--help"], "daedalus sft -"), (["eval", "--help"], "daedalus eval - --model DIR"),
+])
+def test_the_commands_that_read_a_job_say_that_dash_reads_standard_input(argv, example, capsys):
+    """`run`, `train`, `sft` and `eval` read their job with load_job, which takes ``-`` for standard input; their
+    --help says so, with an example (before, only `validate -` was documented)."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at the terminal's width
+    assert info.value.code == 0
+    assert f"- reads the job from standard input (kubectl get rltj NAME -o yaml | {example})" in help_text
+
+
+def test_eval_and_sft_read_the_job_from_standard_input(tiny_checkpoint, tmp_path):
+    """`daedalus eval -` evaluates the job piped in (its name, not a file's, is in the report), in its own process
+    with a real standard input; `daedalus sft -` given an invalid job there names <stdin> and the field, exit 2,
+    before anything is created."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", TERM="dumb")
+    job = tiny_job_dict(environment={"evalMazes": 2, "maxTurns": 2})
+    job["metadata"]["name"] = "from-stdin"
+    report = tmp_path / "eval.json"
+    done = subprocess.run([sys.executable, "-m", "daedalus_trainer", "eval", "-", "--model", str(tiny_checkpoint),
+                           "--greedy-only", "--mazes", "1", "--json", str(report)], input=yaml.safe_dump(job),
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    ev = json.loads(report.read_text())
+    assert ev["job"] == "from-stdin" and ev["mazes"] == 1 and [r["mode"] for r in ev["results"]] == ["greedy"]
+    job["spec"]["environment"]["size"] = 10
+    bad = subprocess.run([sys.executable, "-m", "daedalus_trainer", "sft", "-"], input=yaml.safe_dump(job),
+                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.startswith("error: <stdin>") and "spec.environment.size" in bad.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]  # no runs/from-stdin/sft

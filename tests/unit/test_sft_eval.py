@@ -660,3 +660,43 @@ def test_sft_progress_in_a_log_is_plain_lines(tmp_path, capfd):
                                                       "sft: step 12/12"]
     assert [line.split("(")[1].split("%")[0] for line in lines] == ["25", "50", "75", "100"]
     assert "% of the budget): loss=" in lines[-1] and ", acc=" in lines[-1]
+    assert lines[-1].endswith("; stopped: all 12 steps done")
+
+
+def test_sft_periodic_evaluations_are_progress_on_stderr(tmp_path, capfd):
+    """The ``sft.evalEvery`` evaluations' lines go to stderr with the rest of the progress (before, tqdm.write put
+    them on stdout, where a command's result goes); the history records the same figures."""
+    job = make_tiny_job(None, sft={"steps": 4, "batchSize": 4, "learningRate": 0.003, "maxSeconds": 0,
+                                   "evalEvery": 2}, environment={"evalMazes": 2, "maxTurns": 2})
+    sft.run_sft(job, tmp_path, resume=False, progress=True, final_eval=False, log_every=4, accuracy_turns=4)
+    out, err = capfd.readouterr()
+    assert "held-out greedy success" not in out
+    evals = [h for h in json.loads((tmp_path / sft.REPORT_NAME).read_text())["history"] if "eval_greedy_success" in h]
+    assert [h["step"] for h in evals] == [2]  # not at the last step: the final evaluation is SFT's own
+    assert [line for line in err.splitlines() if "held-out greedy success" in line] == [
+        f"step 2: held-out greedy success {evals[0]['eval_greedy_success']:.2f}"]
+
+
+def test_sft_ends_with_a_line_at_the_step_reached_saying_why_it_stopped(tmp_path, capfd):
+    """A time budget that a checkpoint write (counted in it) runs out after the last measurement still ends with the
+    100% line, at the step reached, saying the time budget stopped SFT, and the history holds that step's accuracy;
+    so does a resumed run whose budget was already spent (killed before its report was written), which trains no
+    step. Before, both ended without a last line (the in-loop line was due only when a step ran the budget out)."""
+    job = make_tiny_job(None, sft={"steps": 1000, "batchSize": 4, "learningRate": 0.003, "maxSeconds": 2},
+                        environment={"evalMazes": 16})
+    fast = {"progress": True, "final_eval": False, "log_every": 1000, "accuracy_turns": 4}
+    sft.run_sft(job, tmp_path, resume=False, checkpoint_seconds=0, **fast)  # a checkpoint after every step
+    report = json.loads((tmp_path / sft.REPORT_NAME).read_text())
+    steps = report["steps"]
+    assert 0 < steps < 1000 and report["seconds"] >= 2
+    assert report["history"][-1]["step"] == steps and 0.0 <= report["history"][-1]["step_accuracy"] <= 1.0
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("sft: ")]
+    why = "; stopped: the time budget (sft.maxSeconds 2 s) ran out before step 1000"
+    assert lines[-1].startswith(f"sft: step {steps}/1000, ") and "s of 2 (100% of the budget): loss=" in lines[-1]
+    assert lines[-1].endswith(why) and sum("stopped:" in line for line in lines) == 1
+    (tmp_path / sft.REPORT_NAME).unlink()  # killed after the last checkpoint, before the report
+    sft.run_sft(job, tmp_path, resume=True, **fast)
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("sft: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"sft: step {steps}/1000, ") and lines[0].endswith(
+        "s of 2 (100% of the budget)" + why)
+    assert json.loads((tmp_path / sft.REPORT_NAME).read_text())["steps"] == steps

@@ -87,6 +87,7 @@ __all__ = [
     "atomic_write_text",
     "capture_rng_state",
     "checkpoint_dir_name",
+    "error_reason",
     "export_adapter",
     "list_checkpoints",
     "load_checkpoint",
@@ -149,6 +150,17 @@ AdapterWriter = Callable[[Path], None]
 
 class CheckpointError(Exception):
     """Base class of every error this module raises on purpose."""
+
+
+def error_reason(exc: BaseException, *, sentence: bool = False) -> str:
+    """The short reason ``exc`` gives, to quote inside a one-line error message: the first line of its message
+    (with ``sentence``, only that line's first sentence, up to the first ". "), without its closing full stop; the
+    name of its type when the message is empty. Never raises."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    line = text.splitlines()[0]
+    return (line.split(". ")[0] if sentence else line).rstrip(".")
 
 
 class CheckpointSaveError(CheckpointError):

@@ -296,6 +296,12 @@ EXIT_STATUS = """exit status:
 `daedalus operator --help` lists the operator's own."""
 
 
+def _stdin_help(command: str) -> str:
+    """The help of the job argument of ``run``, ``train``, ``sft`` and ``eval`` on standard input (``load_job('-')``),
+    with ``command`` (e.g. ``"daedalus run -"``) as the example."""
+    return f"- reads the job from standard input (kubectl get rltj NAME -o yaml | {command})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand (also used by tests and `--help`)."""
     p = argparse.ArgumentParser(prog="daedalus", description=DESCRIPTION, epilog=EXIT_STATUS,
@@ -308,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "`spec.cluster`, trains an SFT starting point if `model.sftAdapter` is absent (tiny model), runs "
                        "GRPO with checkpoints under RUNS_DIR/<name>/, evaluates before and after on held-out mazes and "
                        "writes report.json and curves.png. Interrupt it and run it again: it resumes.")
-    s.add_argument("job", help="RLTrainingJob YAML file")
+    s.add_argument("job", help=f"RLTrainingJob YAML or JSON file; {_stdin_help('daedalus run -')}")
     s.add_argument("--runs-dir", default="runs", help="parent of the run directory RUNS_DIR/<name>/ (default: ./runs)")
     s.add_argument("--resume", default="latest", type=_resume_option,
                    help="latest (default) | none | PATH of a checkpoint (directory step-NNNNNN or a checkpoints/ root)")
@@ -321,7 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "RayCluster (the config is the job spec the operator writes to a ConfigMap). It attaches to the "
                        "running Ray, or starts a local one. On a laptop use `daedalus run JOB.yaml` instead: it adds "
                        "SFT, evaluation and the report around this.")
-    s.add_argument("--config", required=True, help="job spec as YAML or JSON (the operator's ConfigMap)")
+    s.add_argument("--config", required=True,
+                   help="job spec as YAML or JSON (the operator's ConfigMap); "
+                        f"{_stdin_help('daedalus train --config -')}")
     s.add_argument("--resume", default="latest", type=_resume_option,
                    help="latest (default) | none | PATH of a checkpoint (directory step-NNNNNN or a checkpoints/ root)")
     s.add_argument("--out", default=None,
@@ -334,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "training layouts and, with `sft.onPolicyFraction` > 0, the policy's own states labelled with "
                        "the solver's move (DAgger). Stops at `sft.steps` or `sft.maxSeconds`, whichever comes first; "
                        "resumes from its own checkpoint. Writes OUT/model (default runs/<name>/sft/model).")
-    s.add_argument("config", help="RLTrainingJob YAML")
+    s.add_argument("config", help=f"RLTrainingJob YAML or JSON file; {_stdin_help('daedalus sft -')}")
     s.add_argument("--out", default=None, help="output directory (default runs/<name>/sft)")
     s.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
     s.set_defaults(func=_cmd_sft)
@@ -343,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Greedy (and sampled) success on the job's held-out layouts, with 95% intervals. "
                        "Example: daedalus eval examples/local-tiny.yaml --model runs/local-tiny/sft/model "
                        "--adapter runs/local-tiny/exports/adapter")
-    s.add_argument("config", help="RLTrainingJob YAML (environment and eval set)")
+    s.add_argument("config", help=f"RLTrainingJob YAML or JSON file (environment and eval set); "
+                   f"{_stdin_help('daedalus eval - --model DIR')}")
     s.add_argument("--model", required=True, help="model directory (a full checkpoint, e.g. runs/<name>/sft/model)")
     s.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory")
     s.add_argument("--mazes", type=_positive_int, default=None,

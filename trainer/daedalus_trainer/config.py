@@ -1224,7 +1224,8 @@ def duplicate_name_errors(docs: list[Any]) -> dict[int, list[tuple[str, str]]]:
 def load_job(path: str | Path) -> RLTrainingJob:
     """Read the one RLTrainingJob of a YAML or JSON file (the job of ``daedalus run``, ``train``, ``sft`` and
     ``eval``). Other kinds of objects in the file are skipped; two or more jobs (documents, or items of a
-    ``kind: List``) are refused rather than one of them silently chosen.
+    ``kind: List``) are refused rather than one of them silently chosen. ``-`` reads standard input, named
+    ``<stdin>`` in the errors.
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -1232,10 +1233,11 @@ def load_job(path: str | Path) -> RLTrainingJob:
             field path).
     """
     docs = load_documents(path)
+    source = "<stdin>" if str(path) == "-" else str(path)  # as load_documents' own errors and `validate -` name it
     if not docs:
-        raise SpecError([("(root)", "the List holds no items: no RLTrainingJob to read")], str(path))
+        raise SpecError([("(root)", "the List holds no items: no RLTrainingJob to read")], source)
     if len(docs) > 1:
         names = ", ".join(repr(key[1]) if (key := _doc_key(d)) else "unnamed" for d in docs)
         raise SpecError([("(file)", f"holds {len(docs)} RLTrainingJobs ({names}); daedalus run, train, sft and eval "
-                                    "take one: split the file (daedalus validate checks them all)")], str(path))
-    return parse_job(docs[0], source=str(path))
+                                    "take one: split the file (daedalus validate checks them all)")], source)
+    return parse_job(docs[0], source=source)

@@ -94,16 +94,24 @@ def _cached_evaluation(console, job, model_path: str, adapter_path: str | None, 
     (:func:`~daedalus_trainer.checkpoint.atomic_write_json`). A cached file that does not parse as a JSON object is
     logged as a warning with its path and the evaluation runs again: the files are only a cache.
 
+    Both reports' ``model_path`` and ``adapter_path`` are absolute (made so from the working directory, ``..`` resolved as text), cached ones
+    included (a cache written from another working directory, or with the paths as given, names the same files by
+    its fingerprint): ``report.json`` is read later from elsewhere, and its ``adapter`` is absolute too.
+
     Raises:
         OSError: a cached file exists but cannot be read, or the new ones cannot be written.
     """
     from daedalus_trainer.checkpoint import atomic_write_json
 
+    model_path = os.path.abspath(model_path)
+    adapter_path = os.path.abspath(adapter_path) if adapter_path else None
     files = run_dir / f"eval-{when}.json", run_dir / f"eval-{when}-training.json"
     fingerprint = start_fingerprint(job, model_path, adapter_path)
     if use_cache and all(f.is_file() for f in files):
         cached = [_read_json_object(f, "evaluating again") for f in files]
         if all(ev is not None and ev.get("start_fingerprint") == fingerprint for ev in cached):
+            for ev in cached:
+                ev["model_path"], ev["adapter_path"] = model_path, adapter_path
             return cached[0], cached[1]
         if stale and all(ev is not None for ev in cached):
             console.print(stale)
@@ -358,7 +366,8 @@ def _report(job, before: dict, after: dict, result, wall: float, training: tuple
     None when an evaluation lacks per-episode outcomes), ``eval_mazes`` (layouts) and ``eval_corners``, sampled
     success, GRPO seconds, ``training_success_before``/``training_success_after`` (greedy on training layouts, from
     ``training`` = the before/after evaluations there); the full evaluation reports under ``before``, ``after``,
-    ``before_training``, ``after_training``."""
+    ``before_training``, ``after_training`` (their ``model_path``/``adapter_path`` absolute, see
+    :func:`_cached_evaluation`); ``adapter``, the absolute path of the exported adapter."""
     from daedalus_trainer.evaluation import paired_gain
 
     g_before, g_after = _greedy(before), _greedy(after)
@@ -380,7 +389,7 @@ def _report(job, before: dict, after: dict, result, wall: float, training: tuple
         "steps": result.steps_done,
         "wall_seconds": wall,
         "grpo_wall_seconds": result.wall_seconds,
-        "adapter": str(result.adapter_dir),
+        "adapter": os.path.abspath(result.adapter_dir),
         "before": before,
         "after": after,
         "training_success_before": _greedy(training[0])["success_rate"],

@@ -33,7 +33,7 @@ import torch
 from PIL import Image
 
 from daedalus_trainer import tiny as tiny_mod
-from daedalus_trainer.checkpoint import CheckpointError
+from daedalus_trainer.checkpoint import CheckpointError, error_reason
 
 log = logging.getLogger("daedalus.policy")
 
@@ -58,16 +58,10 @@ class ModelLoadError(CheckpointError):
     message names the directory, what failed, and what to do; the `daedalus` command prints it as one line."""
 
 
-def _first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message without its closing full stop (its type's name when it has none)."""
-    text = str(exc).strip()
-    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__
-
-
 def _unloadable(what: str, path: Path, exc: BaseException | str) -> ModelLoadError:
     """The :class:`ModelLoadError` for ``what`` (``"model"``, ``"adapter"``) at ``path`` that failed with ``exc``
     (an exception, or the reason as text)."""
-    reason = exc if isinstance(exc, str) else _first_line(exc)
+    reason = exc if isinstance(exc, str) else error_reason(exc)
     return ModelLoadError(
         f"cannot load the {what} in {path}: {reason}. Its files are incomplete or damaged (a copy, download or save "
         "cut short, or Git LFS pointers in place of the weights): copy or save it again")
@@ -259,7 +253,7 @@ class Policy:
                 try:
                     cfg = PeftConfig.from_pretrained(str(path))
                 except (OSError, ValueError) as exc:  # ValueError: adapter_config.json does not parse
-                    raise _unloadable("adapter", path, f"{ADAPTER_CONFIG}: {_first_line(exc)}") from exc
+                    raise _unloadable("adapter", path, f"{ADAPTER_CONFIG}: {error_reason(exc)}") from exc
                 targets = cfg.target_modules
                 check_lora_targets(self.model, sorted(targets) if isinstance(targets, (set, list)) else targets)
                 try:
@@ -810,7 +804,8 @@ def load_pretrained(path: str | Path, dtype: str = "float32", device: torch.devi
     except (OSError, SafetensorError) as exc:
         raise _unloadable("model", path, exc) from exc
     except ValueError as exc:  # e.g. a text-only model: its config class has no image-text-to-text model
-        raise ModelLoadError(f"cannot load the model in {path} as a vision-language model: {_first_line(exc)}") from exc
+        raise ModelLoadError(
+            f"cannot load the model in {path} as a vision-language model: {error_reason(exc)}") from exc
     model = model.to(dev)
     use_fast_vision_paths(model)
     if not hasattr(processor, "image_processor"):

@@ -513,10 +513,9 @@ def check_same_run(ckpt: Path, job: Any, state: SFTState | None = None) -> None:
 def _damaged(ckpt: Path, file: str, exc: BaseException) -> Exception:
     """The :class:`~daedalus_trainer.checkpoint.CheckpointError` for the SFT checkpoint ``ckpt`` whose ``file``
     cannot be read: the first sentence of what ``exc`` (or the error it was raised from) says, and the way on."""
-    from daedalus_trainer.checkpoint import CheckpointError
+    from daedalus_trainer.checkpoint import CheckpointError, error_reason
 
-    cause = exc.__cause__ or exc
-    reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0].split(". ")[0].rstrip(".")
+    reason = error_reason(exc.__cause__ or exc, sentence=True)
     return CheckpointError(
         f"the SFT checkpoint {ckpt} cannot be read ({file}: {reason}): it is damaged (a disk error, or a file changed "
         "or cut short by hand). Train SFT again into the same directory (`daedalus sft JOB.yaml --no-resume`, or "
@@ -620,7 +619,9 @@ def run_sft(
 
     Keyword args: ``progress`` (tqdm bar on stderr with loss, step accuracy, tokens/s, training seconds and, with
     ``sft.onPolicyFraction > 0``, ``train_greedy``: the policy's greedy success on the last pool's training mazes;
-    when stderr is not a terminal, one plain line with those figures per tenth of the budget instead),
+    when stderr is not a terminal, one plain line with those figures per tenth of the budget instead; either way a
+    last plain line at the step reached says whether the steps or the time budget ended the run; the line of each
+    ``sft.evalEvery`` evaluation goes to stderr too, with or without ``progress``),
     ``final_eval`` (greedy evaluation on the held-out set at the end, stored in the report), ``checkpoint_seconds``,
     ``log_every`` (steps between step-accuracy measurements), ``accuracy_turns`` (held-out turns they use),
     ``on_step`` (called with the state after every optimizer step, e.g. for metrics; a ``KeyboardInterrupt`` raised
@@ -708,6 +709,32 @@ def run_sft(
     last_ckpt = state.seconds
     marks = sorted(float(m) for m in snapshot_seconds if m > state.seconds)
     window_loss, window_tokens, window_time = [], 0, 0.0
+    figures: dict[str, Any] = {}  # of the last measurement: the progress bar's postfix and the plain lines' figures
+
+    def measure() -> dict[str, Any]:
+        """Step accuracy on the held-out turns (its seconds count in the budget), recorded in the history with the
+        loss and speed of the steps since the last measurement (the window, then emptied); returns the figures."""
+        nonlocal window_loss, window_tokens, window_time
+        t1 = time.perf_counter()
+        acc = step_accuracy(policy, heldout)
+        state.seconds += time.perf_counter() - t1
+        state.history.append({
+            "step": state.step, "seconds": round(state.seconds, 2), "cpu_seconds": round(state.cpu_seconds, 2),
+            "loss": float(np.mean(window_loss)),
+            "tokens_per_second": round(window_tokens / max(window_time, 1e-9), 1), "step_accuracy": acc,
+        })
+        measured = dict(step=state.step, loss=f"{np.mean(window_loss):.3f}", acc=f"{acc:.2f}",
+                        tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}", **pool_postfix())
+        window_loss, window_tokens, window_time = [], 0, 0.0
+        return measured
+
+    def progress_line(done: int) -> str:
+        """The plain progress line at ``done`` percent of the budget, with the last measurement's figures."""
+        cap = f" of {max_seconds:.0f}" if max_seconds > 0 else ""
+        shown = ", ".join(f"{k}={v}" for k, v in figures.items() if k != "step")
+        return (f"sft: step {state.step}/{max_steps}, {state.seconds:.0f} s{cap} ({done}% of the budget)"
+                + (f": {shown}" if shown else ""))
+
     # Demonstrations for step k + 1 are prepared (environment, rendering, processor) while step k trains: the data
     # of a step depends only on its index, so prefetching changes no value.
     prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sft-data")
@@ -746,31 +773,20 @@ def run_sft(
             bar.set_postfix(step=state.step, loss=f"{window_loss[-1]:.3f}",  # redraws the bar too
                             tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}", **pool_postfix())
             if state.step % log_every == 0 or not budget_left():
-                t1 = time.perf_counter()
-                acc = step_accuracy(policy, heldout)
-                state.seconds += time.perf_counter() - t1
-                state.history.append({
-                    "step": state.step, "seconds": round(state.seconds, 2), "cpu_seconds": round(state.cpu_seconds, 2),
-                    "loss": float(np.mean(window_loss)),
-                    "tokens_per_second": round(window_tokens / max(window_time, 1e-9), 1), "step_accuracy": acc,
-                })
-                figures = dict(step=state.step, loss=f"{np.mean(window_loss):.3f}", acc=f"{acc:.2f}",
-                               tok_s=f"{window_tokens / max(window_time, 1e-9):.0f}", **pool_postfix())
+                figures = measure()
                 bar.set_postfix(**figures)
                 done = min(100, int(100 * spent()))
-                if progress and not live and (done >= next_line or not budget_left()):
-                    cap = f" of {max_seconds:.0f}" if max_seconds > 0 else ""
-                    print(f"sft: step {state.step}/{max_steps}, {state.seconds:.0f} s{cap} ({done}% of the budget): "
-                          + ", ".join(f"{k}={v}" for k, v in figures.items() if k != "step"), file=sys.stderr,
-                          flush=True)
+                if progress and not live and done >= next_line and budget_left():  # the last line: after the loop
+                    print(progress_line(done), file=sys.stderr, flush=True)
                     next_line = (done // 10 + 1) * 10
-                window_loss, window_tokens, window_time = [], 0, 0.0
             if spec.sft.eval_every and state.step % spec.sft.eval_every == 0 and budget_left():
                 t1 = time.perf_counter()
                 res = _greedy_eval(policy, spec)
                 state.eval_seconds += time.perf_counter() - t1
                 state.history.append({"step": state.step, "eval_greedy_success": res["success_rate"]})
-                bar.write(f"step {state.step}: held-out greedy success {res['success_rate']:.2f}")
+                # progress, like the bar and the plain lines: on stderr (tqdm.write's default is stdout), where a
+                # live bar is cleared for it and redrawn below it
+                bar.write(f"step {state.step}: held-out greedy success {res['success_rate']:.2f}", file=sys.stderr)
             if on_step is not None:
                 on_step(state)
             while marks and state.seconds >= marks[0]:
@@ -788,7 +804,18 @@ def run_sft(
         raise
     finally:
         prefetch.shutdown(wait=True, cancel_futures=True)
+    # The budget can run out after the last measurement (a checkpoint write, counted in it, took the last seconds):
+    # the last steps are measured now, and the last line is always printed, at the step reached, saying why SFT
+    # stopped (before, such a run ended without its 100% line, and its history without the last step's accuracy).
+    if window_loss:
+        figures = measure()
+    bar.n = min(100, round(100 * spent()))
+    bar.set_postfix(**figures)
     bar.close()
+    if progress:
+        why = (f"all {max_steps} steps done" if state.step >= max_steps else
+               f"the time budget (sft.maxSeconds {max_seconds:.0f} s) ran out before step {max_steps}")
+        print(f"{progress_line(min(100, int(100 * spent())))}; stopped: {why}", file=sys.stderr, flush=True)
     save_checkpoint(out_dir, policy, optimizer, state)
     if warn_budget and state.step < max_steps:
         log.warning("SFT stopped at its time budget (sft.maxSeconds %.0f s) after %d of %d steps (%.1f steps/s): "
