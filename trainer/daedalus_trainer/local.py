@@ -94,9 +94,10 @@ def _cached_evaluation(console, job, model_path: str, adapter_path: str | None, 
     (:func:`~daedalus_trainer.checkpoint.atomic_write_json`). A cached file that does not parse as a JSON object is
     logged as a warning with its path and the evaluation runs again: the files are only a cache.
 
-    Both reports' ``model_path`` and ``adapter_path`` are absolute (made so from the working directory, ``..`` resolved as text), cached ones
-    included (a cache written from another working directory, or with the paths as given, names the same files by
-    its fingerprint): ``report.json`` is read later from elsewhere, and its ``adapter`` is absolute too.
+    Both reports' ``model_path`` and ``adapter_path`` are absolute (made so from the working directory, ``..``
+    resolved as text), cached ones included (a cache written from another working directory, or with the paths as
+    given, names the same files by its fingerprint): ``report.json`` is read later from elsewhere, and its
+    ``adapter`` is absolute too.
 
     Raises:
         OSError: a cached file exists but cannot be read, or the new ones cannot be written.
