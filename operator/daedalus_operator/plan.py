@@ -619,10 +619,20 @@ def _pending(b: _Builder) -> Plan:
     return b.requeue(0)
 
 
+def expected_pods(job: JobView, cluster: ClusterState) -> int:
+    """The pods the job's Ray cluster should have: what its RayCluster asks for when it exists
+    (:attr:`ClusterState.expected_pods`; the operator never patches a RayCluster, so a worker group edited in the
+    job's spec takes effect with the next RayCluster), else what the job's spec asks for."""
+    if cluster.exists and cluster.expected_pods is not None:
+        return cluster.expected_pods
+    return job.expected_pods
+
+
 def _cluster_usable(b: _Builder) -> bool:
-    """Cluster ready per KubeRay and every expected pod present, Ready and on a node that may run it."""
+    """Cluster ready per KubeRay and every expected pod (:func:`expected_pods`) present, Ready and on a node that may
+    run it."""
     h = b.o.health
-    return (b.o.cluster.ready and h.pods >= b.job.expected_pods and h.ready_pods >= h.pods
+    return (b.o.cluster.ready and h.pods >= expected_pods(b.job, b.o.cluster) and h.ready_pods >= h.pods
             and not h.bad_pods and not h.announced)
 
 

@@ -926,3 +926,21 @@ def test_argocd_health_of_statuses_the_operator_computes() -> None:
     got = {s["phase"]: argo(s) for s in (running, provisioning, recovering, succeeded, failed)}
     assert got == {"Running": "Healthy", "Provisioning": "Progressing", "Recovering": "Progressing",
                    "Succeeded": "Healthy", "Failed": "Degraded"}
+
+
+def test_a_worker_group_scaled_up_during_a_run_waits_for_the_next_raycluster_not_for_ever() -> None:
+    """``workerGroups[0].replicas`` raised from 1 to 2 while the job recovers: the operator never patches a RayCluster,
+    so the existing one (head + 1 worker, ``expected_pods`` 2) is what the next attempt runs on; its 2 Ready pods make
+    it usable and attempt 2 is submitted. (Compared with the edited spec, 3 pods, it was never usable: Recovering for
+    ever, without a word in the status about why.)"""
+    st = running_status(phase="Recovering", recovery={"reason": "JobFailed", "detectedAt": ago(60),
+                                                      "stepAtDetection": 12})
+    cluster = dataclasses.replace(READY, expected_pods=2)
+    j = job(st, cluster__workerGroups=[{"name": "cpu", "replicas": 2, "gpusPerWorker": 0, "cpu": "2",
+                                        "memory": "8Gi", "shmSize": "1Gi"}])
+    assert j.expected_pods == 3
+    r = p.plan(j, obs(cluster, p.RayJobState.FAILED), NOW)
+    assert ("Submit", "a2") in _kinds(r), r
+    # a RayCluster built from the edited spec (created again: suspend and resume) waits for its third pod
+    r = p.plan(j, obs(dataclasses.replace(READY, expected_pods=3), p.RayJobState.FAILED), NOW)
+    assert r.phase == Phase.RECOVERING and _kinds(r) == []
