@@ -62,6 +62,7 @@ from daedalus_operator.plan import (
     Submit,
     Timing,
     TrainerObservation,
+    expected_pods,
     plan,
 )
 from daedalus_operator.settings import OperatorSettings
@@ -435,7 +436,7 @@ def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
     pods = _store_values(indexes.get("pods_by_job"), key)
     nodes = _all_values(indexes.get("nodes_by_name"))
     hyperpod = job.spec.resilience.hyper_pod if job.spec else False
-    health = node_health(pods, nodes, hyperpod=hyperpod, since=since, expected_pods=job.expected_pods)
+    health = node_health(pods, nodes, hyperpod=hyperpod, since=since, expected_pods=expected_pods(job, cluster))
 
     ray_job = RayJobObservation(RayJobState.NOT_FOUND)
     if st.submission_id:

@@ -403,6 +403,10 @@ class ClusterState:
         state: KubeRay's ``status.state`` (``ready``, ``suspended``, ...), empty when absent.
         message: ``status.reason`` or the message of a False condition, for humans.
         created: ``metadata.creationTimestamp`` (``None`` when absent).
+        expected_pods: the pods its spec asks for: 1 (the head) + ``replicas x numOfHosts`` of each worker group
+            that is not suspended (KubeRay's defaults: 0 replicas, 1 host); ``None`` when it does not exist. The
+            operator never patches a RayCluster, so after an edit of the job's worker groups this, not the job's
+            spec, is what the running cluster can have.
     """
 
     exists: bool = False
@@ -414,6 +418,7 @@ class ClusterState:
     state: str = ""
     message: str = ""
     created: dt.datetime | None = None
+    expected_pods: int | None = None
 
     @property
     def dashboard_url(self) -> str | None:
@@ -431,6 +436,21 @@ def _port(endpoints: Mapping[str, Any], name: str, default: int) -> int:
         return int(endpoints.get(name, default))
     except (TypeError, ValueError):
         return default
+
+
+def _count(value: Any, default: int) -> int:
+    try:
+        return max(0, int(value if value is not None else default))
+    except (TypeError, ValueError):
+        return default
+
+
+def expected_cluster_pods(body: Mapping[str, Any]) -> int:
+    """Pods a RayCluster body's spec asks for: the head + ``replicas x numOfHosts`` of each worker group not
+    ``suspend``-ed (missing fields take KubeRay v1.7's CRD defaults, ``replicas`` 0 and ``numOfHosts`` 1)."""
+    groups = (body.get("spec") or {}).get("workerGroupSpecs") or []
+    return 1 + sum(_count(g.get("replicas"), 0) * _count(g.get("numOfHosts"), 1)
+                   for g in groups if isinstance(g, Mapping) and not g.get("suspend"))
 
 
 def read_cluster(body: Mapping[str, Any] | None, *, control_port: int = api.CONTROL_PORT) -> ClusterState:
@@ -467,4 +487,5 @@ def read_cluster(body: Mapping[str, Any] | None, *, control_port: int = api.CONT
         state=state,
         message=status.get("reason") or "; ".join(false_msgs),
         created=parse_time(meta.get("creationTimestamp")),
+        expected_pods=expected_cluster_pods(body),
     )

@@ -115,13 +115,19 @@ class RayJobObservation:
     message: str = ""
 
 
+#: The trainer's ``/status`` phase before its first step (daedalus_trainer.server): model, Ray actors and the checkpoint
+#: still loading.
+STARTING = "starting"
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainerObservation:
     """The trainer's ``GET /status`` (port 9400 on the head), or ``reachable=False``.
 
-    ``step`` is the latest completed GRPO step; ``latest_checkpoint`` is ``{step, path, time}``; ``resumed_from`` the
-    step of the checkpoint this attempt loaded (optional ``resumedFrom``: a step or ``{step, ...}``), which makes the
-    recovery record exact.
+    ``step`` is the latest completed GRPO step (``None`` while the trainer is ``starting`` and still says 0: the
+    placeholder it serves before it has loaded its checkpoint, which must not reset the job's step);
+    ``latest_checkpoint`` is ``{step, path, time}``; ``resumed_from`` the step of the checkpoint this attempt loaded
+    (optional ``resumedFrom``: a step or ``{step, ...}``), which makes the recovery record exact.
     """
 
     reachable: bool = False
@@ -145,9 +151,12 @@ class TrainerObservation:
     def from_status(cls, doc: dict[str, Any]) -> "TrainerObservation":
         """Build from the JSON document of ``GET /status`` (unknown keys ignored, missing ones ``None``)."""
         ckpt = doc.get("latestCheckpoint")
+        step = _int_or_none(doc.get("step"))
+        if doc.get("phase") == STARTING and not step:
+            step = None  # not known yet: a resumed attempt serves 0 until its checkpoint is loaded
         return cls(
             reachable=True,
-            step=_int_or_none(doc.get("step")),
+            step=step,
             total_steps=_int_or_none(doc.get("totalSteps")),
             phase=doc.get("phase"),
             latest_checkpoint=ckpt if isinstance(ckpt, dict) and ckpt.get("step") is not None else None,
@@ -619,10 +628,20 @@ def _pending(b: _Builder) -> Plan:
     return b.requeue(0)
 
 
+def expected_pods(job: JobView, cluster: ClusterState) -> int:
+    """The pods the job's Ray cluster should have: what its RayCluster asks for when it exists
+    (:attr:`ClusterState.expected_pods`; the operator never patches a RayCluster, so a worker group edited in the
+    job's spec takes effect with the next RayCluster), else what the job's spec asks for."""
+    if cluster.exists and cluster.expected_pods is not None:
+        return cluster.expected_pods
+    return job.expected_pods
+
+
 def _cluster_usable(b: _Builder) -> bool:
-    """Cluster ready per KubeRay and every expected pod present, Ready and on a node that may run it."""
+    """Cluster ready per KubeRay and every expected pod (:func:`expected_pods`) present, Ready and on a node that may
+    run it."""
     h = b.o.health
-    return (b.o.cluster.ready and h.pods >= b.job.expected_pods and h.ready_pods >= h.pods
+    return (b.o.cluster.ready and h.pods >= expected_pods(b.job, b.o.cluster) and h.ready_pods >= h.pods
             and not h.bad_pods and not h.announced)
 
 

@@ -42,7 +42,8 @@ _PHASE_MESSAGES = {
 def _desired(st: RLTrainingJobStatus, phase: Phase, error: str | None,
              detail: str = "") -> dict[ConditionType, tuple[str, str, str]]:
     """(status, reason, message) per condition type; ``detail`` (what KubeRay and the scheduler say) is appended to
-    the Provisioning messages."""
+    the Provisioning and Recovering messages (a recovery waits for a usable cluster as provisioning does: pods the
+    scheduler cannot place keep a job there)."""
     rec = st.recovery
     fail = st.last_failure
     step = f"step {st.current_step}/{st.total_steps or '?'}"
@@ -56,7 +57,7 @@ def _desired(st: RLTrainingJobStatus, phase: Phase, error: str | None,
                  f"attempt {st.attempt} resubmitted after {rec.reason}; waiting for the first new step")
     else:
         ready = ("False", phase.value, _PHASE_MESSAGES.get(phase, phase.value))
-    if phase == Phase.PROVISIONING and detail:
+    if phase in (Phase.PROVISIONING, Phase.RECOVERING) and detail:
         ready = (ready[0], ready[1], f"{ready[2]}: {detail}"[:1024])
     if phase == Phase.FAILED and fail is not None:
         ready = ("False", fail.reason or Reason.JOB_FAILED.value, fail.message)
@@ -64,9 +65,10 @@ def _desired(st: RLTrainingJobStatus, phase: Phase, error: str | None,
     if error:
         reconciling = ("True", Reason.API_ERROR.value, error[:1024])
     elif phase in (Phase.PENDING, Phase.PROVISIONING, Phase.CHECKPOINTING, Phase.RECOVERING):
-        msg = ready[2] if phase == Phase.PROVISIONING else _PHASE_MESSAGES[phase]
+        msg = ready[2] if phase in (Phase.PROVISIONING, Phase.RECOVERING) else _PHASE_MESSAGES[phase]
         if rec is not None and phase in (Phase.CHECKPOINTING, Phase.RECOVERING):
-            msg = f"{rec.reason}: {rec.message}"[:1024]
+            msg = f"{rec.reason}: {rec.message}" + (f"; waiting for the RayCluster: {detail}" if detail else "")
+            msg = msg[:1024]
         reconciling = ("True", phase.value, msg)
     elif recovering:
         reconciling = ("True", Reason.RECOVERING.value, ready[2])
@@ -173,7 +175,7 @@ def compute_status(
     st.dashboard_url = cluster.dashboard_url if cluster.exists and not cluster.deleting else None
     st.observed_generation = job.generation
     detail = ""
-    if plan.phase == Phase.PROVISIONING:
+    if plan.phase in (Phase.PROVISIONING, Phase.RECOVERING):
         said = ([f"RayCluster: {cluster.message}"] if cluster.exists and cluster.message else []) + list(
             observed.health.unscheduled[:2])
         detail = "; ".join(said)

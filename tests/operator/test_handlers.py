@@ -550,3 +550,41 @@ def test_a_forgotten_checkpoint_call_records_nothing_when_it_ends_late() -> None
         assert calls.get("k").step == 4
     finally:
         trainer.close()
+
+
+def test_missing_workers_are_counted_against_the_raycluster_not_an_edited_spec() -> None:
+    """The job's worker group is scaled from 1 to 2 replicas while attempt 1 runs on a RayCluster built with 1 (the
+    operator never patches it). gather compares the pods with what that RayCluster asks for: head + 1 worker, both
+    Ready, is healthy; no worker pod counts as missing, so the running attempt is not stopped for a WorkerLost that
+    the cluster can never mend."""
+    from daedalus_operator import resources
+    from daedalus_operator.api import Reason
+
+    doc = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
+    doc["metadata"].update(namespace="ml", uid="0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", generation=1)
+    doc["status"] = {"phase": "Running", "attempt": 1, "submissionId": "local-tiny-0f1e2d3c-a1",
+                     "submissionConfirmed": True, "attemptStartTime": "2026-01-01T00:10:00Z", "currentStep": 5}
+    built = resources.build_raycluster(job_view(doc), OperatorSettings())  # 1 worker replica
+    built["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    doc["spec"]["cluster"]["workerGroups"][0]["replicas"] = 2
+    job = job_view(doc)
+    assert job.expected_pods == 3
+
+    def pod(name: str, role: str) -> dict:
+        return {"metadata": {"name": name, "namespace": "ml", "creationTimestamp": "2026-01-01T00:01:00Z",
+                             "labels": {api.JOB_LABEL: "local-tiny", api.RAY_NODE_TYPE_LABEL: role}},
+                "spec": {"nodeName": "node-a"},
+                "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    node = {"metadata": {"name": "node-a"}, "spec": {}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    indexes = {"pods_by_job": Index({("ml", "local-tiny"): [pod("h", "head"), pod("w", "worker")]}),
+               "nodes_by_name": Index({"node-a": [node]}),
+               "clusters_by_job": Index({("ml", "local-tiny"): [built]}), "services_by_job": None}
+    observed = gather(_rt(), job, indexes)  # no head address: the Ray job reads UNREACHABLE without a request
+    assert observed.cluster.expected_pods == 2
+    assert observed.health.lost_pods == () and observed.health.first_issue() is None
+    # a RayCluster with 2 workers (created from the edited spec) and one of them gone: that one is missing
+    built["spec"]["workerGroupSpecs"][0]["replicas"] = 2
+    observed = gather(_rt(), job, indexes)
+    assert observed.health.first_issue() == (Reason.WORKER_LOST, None,
+                                             "worker pod (missing): fewer worker pods than the spec asks for")

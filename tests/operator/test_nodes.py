@@ -179,6 +179,17 @@ def test_read_cluster() -> None:
     assert c.exists and not c.ready and c.head_host == "10.1.2.3" and "HeadPodReady: HeadPodNotFound" in c.message
 
 
+def test_read_cluster_counts_the_pods_its_spec_asks_for() -> None:
+    """head + replicas x numOfHosts per worker group (KubeRay's CRD defaults: replicas 0, numOfHosts 1); a suspended
+    group asks for none."""
+    body = {"metadata": {"name": "j-ray", "namespace": "ml"}, "spec": {"workerGroupSpecs": [
+        {"groupName": "gpu", "replicas": 3}, {"groupName": "tpu", "replicas": 2, "numOfHosts": 4},
+        {"groupName": "off", "replicas": 5, "suspend": True}, {"groupName": "none"}]}}
+    assert read_cluster(body).expected_pods == 1 + 3 + 8
+    assert read_cluster({"metadata": {"name": "j-ray"}}).expected_pods == 1
+    assert read_cluster(None).expected_pods is None
+
+
 def test_names_respect_limits() -> None:
     long = "a" * 63
     assert len(api.raycluster_name(long)) == 53 and api.is_dns_label(api.raycluster_name(long))

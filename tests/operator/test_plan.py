@@ -926,3 +926,48 @@ def test_argocd_health_of_statuses_the_operator_computes() -> None:
     got = {s["phase"]: argo(s) for s in (running, provisioning, recovering, succeeded, failed)}
     assert got == {"Running": "Healthy", "Provisioning": "Progressing", "Recovering": "Progressing",
                    "Succeeded": "Healthy", "Failed": "Degraded"}
+
+
+def test_a_worker_group_scaled_up_during_a_run_waits_for_the_next_raycluster_not_for_ever() -> None:
+    """``workerGroups[0].replicas`` raised from 1 to 2 while the job recovers: the operator never patches a RayCluster,
+    so the existing one (head + 1 worker, ``expected_pods`` 2) is what the next attempt runs on; its 2 Ready pods make
+    it usable and attempt 2 is submitted. (Compared with the edited spec, 3 pods, it was never usable: Recovering for
+    ever, without a word in the status about why.)"""
+    st = running_status(phase="Recovering", recovery={"reason": "JobFailed", "detectedAt": ago(60),
+                                                      "stepAtDetection": 12})
+    cluster = dataclasses.replace(READY, expected_pods=2)
+    j = job(st, cluster__workerGroups=[{"name": "cpu", "replicas": 2, "gpusPerWorker": 0, "cpu": "2",
+                                        "memory": "8Gi", "shmSize": "1Gi"}])
+    assert j.expected_pods == 3
+    r = p.plan(j, obs(cluster, p.RayJobState.FAILED), NOW)
+    assert ("Submit", "a2") in _kinds(r), r
+    # a RayCluster built from the edited spec (created again: suspend and resume) waits for its third pod
+    r = p.plan(j, obs(dataclasses.replace(READY, expected_pods=3), p.RayJobState.FAILED), NOW)
+    assert r.phase == Phase.RECOVERING and _kinds(r) == []
+
+
+def test_a_resumed_attempt_that_is_still_starting_does_not_reset_the_step() -> None:
+    """Attempt 2 was submitted to resume from the checkpoint at step 12; its trainer answers /status while it still
+    loads the model (phase ``starting``, the placeholder step 0, no checkpoint yet: the trainer's own initial
+    document). The job's step stays 12 (never 0/40 for the minutes a large model takes to load), and loading the
+    checkpoint (step 12 again) is no progress."""
+    from daedalus_trainer.server import ControlState
+
+    st = running_status(attempt=2, submissionId=sid(2), currentStep=12, lastProgressTime=ago(30),
+                        latestCheckpoint={"step": 12, "path": "/ckpt/ml/local-tiny/step-000012"},
+                        recovery={"reason": "NodeReplacement", "detectedAt": ago(60), "stepAtDetection": 12,
+                                  "resubmittedAt": ago(30), "resumeStep": 12})
+    starting = p.TrainerObservation.from_status(ControlState(total_steps=40, attempt=2).status())
+    o = obs(t=starting)
+    r = p.plan(job(st), o, NOW)
+    new = compute_status(st, o, r, None, job=job(st), now=NOW)
+    assert r.phase == Phase.RUNNING and new["currentStep"] == 12 and new["lastProgressTime"] == ago(30)
+    # the checkpoint loaded: the trainer says step 12 (still starting); then its first new step closes the recovery
+    loaded = dataclasses.replace(starting, step=12, resumed_from=12,
+                                 latest_checkpoint={"step": 12, "path": "/ckpt/ml/local-tiny/step-000012"})
+    r = p.plan(job(new), obs(t=loaded), NOW)
+    new = compute_status(new, obs(t=loaded), r, None, job=job(new), now=NOW)
+    assert new["currentStep"] == 12 and new["lastProgressTime"] == ago(30) and new["recovery"]
+    stepping = dataclasses.replace(loaded, step=13, phase="training")
+    r = p.plan(job(new), obs(t=stepping), NOW)
+    assert r.recovered is not None and r.status["last_progress_time"] == format_time(NOW)

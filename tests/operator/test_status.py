@@ -141,3 +141,22 @@ def test_merge_patch_removes_nested_keys() -> None:
     assert merge_patch(old, new) == {"recovery": {"notBefore": None}, "conditions": [2]}
     assert merge_patch({"recovery": {"r": 1}}, {}) == {"recovery": None}
     assert merge_patch(new, new) is None
+
+
+def test_a_recovery_waiting_for_pods_the_scheduler_cannot_place_says_so() -> None:
+    """After a node replacement the job's new worker pod cannot be scheduled (no Schedulable node with a free GPU):
+    the job waits in Recovering for a usable cluster, and its Reconciling and Ready conditions say what the scheduler
+    says, as they do while provisioning, instead of only the cause of the recovery."""
+    from daedalus_operator.nodes import ClusterState, NodeHealth
+
+    st = running_status(phase="Recovering", recovery=dict(RECOVERING))
+    unscheduled = "pod local-tiny-ray-cpu-worker-x: Unschedulable: 0/3 nodes are available: 3 Insufficient cpu"
+    o = obs(ClusterState(exists=True, ready=False, head_host="10.0.0.5",
+                         message="RayClusterProvisioned: waiting for worker pods"),
+            p.RayJobState.STOPPED, health=NodeHealth(pods=1, ready_pods=1, unscheduled=(unscheduled,)))
+    new = step(job(st), o, NOW, old=st)
+    assert new["phase"] == "Recovering"
+    reconciling = cond(new, "Reconciling")["message"]
+    assert reconciling.startswith("NodeReplacement: ") and unscheduled in reconciling
+    assert "RayCluster: RayClusterProvisioned: waiting for worker pods" in reconciling
+    assert unscheduled in cond(new, "Ready")["message"]
