@@ -42,6 +42,8 @@ import weakref
 from typing import Any
 
 import kopf
+import pydantic
+from daedalus_trainer import __version__
 from daedalus_trainer.config import RLTrainingJobStatus, SpecError, parse_job
 
 from daedalus_operator import api, kube, resources
@@ -277,6 +279,8 @@ class Runtime:
     budgeted: int = 0  # gates with budgeted=True
     pruned_at: float = 0.0  # time.monotonic() of the last pass over gates for stale ones
     last_api_ok: float = dataclasses.field(default_factory=time.monotonic)
+    # uid -> the resourceVersion whose unreadable status was last reported (:func:`unreadable_status`): one event each
+    unreadable: dict[str, str] = dataclasses.field(default_factory=dict)
     guard: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def children(self, uid: str) -> "Children":
@@ -365,6 +369,29 @@ class Runtime:
 
 
 # ------------------------------------------------------------------------------------------------ reading the job
+#: Event reason (Warning) for a job whose ``.status`` this operator cannot read (:func:`unreadable_status`).
+STATUS_UNREADABLE = "StatusUnreadable"
+
+
+def unreadable_status(body: dict[str, Any]) -> str | None:
+    """Why this operator cannot read the job's ``.status`` (its first validation error against
+    :class:`~daedalus_trainer.config.RLTrainingJobStatus`, with the field path and the value), or ``None`` when it
+    can. A status the CRD accepts but this version's model refuses comes from another version of the operator (e.g.
+    a phase added by a newer one, whose CRD was applied, then the operator rolled back): :func:`reconcile` then acts
+    on nothing, since a status read as empty would make a running job look new."""
+    try:
+        RLTrainingJobStatus.model_validate(body.get("status") or {})
+    except ValueError as exc:
+        errors = exc.errors() if isinstance(exc, pydantic.ValidationError) else []
+        if not errors:
+            return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        first = errors[0]
+        where = ".".join(str(p) for p in ("status", *first["loc"]))
+        value = repr(first.get("input"))
+        return f"{where}: {first['msg']} (it holds {value[:80] + '...' if len(value) > 80 else value})"
+    return None
+
+
 def job_view(body: dict[str, Any]) -> JobView:
     """Validate a job body into a :class:`JobView` (an invalid spec gives ``spec=None`` and the errors)."""
     meta = body.get("metadata") or {}
@@ -746,6 +773,11 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
                 body = rt.kube.get(kube.RLTJ, namespace, name)
                 if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
                     break
+            why = unreadable_status(body)
+            if why is not None:
+                result = "error"
+                _report_unreadable_status(rt, body, why, logger)
+                return None
             job = job_view(body)
             observed = gather(rt, job, indexes)
             trainer = observed.trainer
@@ -824,6 +856,22 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
                 rt.put_gate(uid, dataclasses.replace(gate, quiet=False, budgeted=False))
         rt.metrics.reconciles.labels(result=result).inc()
         rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+
+def _report_unreadable_status(rt: Runtime, body: dict[str, Any], why: str, logger: Any) -> None:
+    """Say once per resourceVersion (a Warning event on the job and an error in the log) that the reconcile leaves the
+    job alone because this operator cannot read its status (``why``, from :func:`unreadable_status`)."""
+    meta = body.get("metadata") or {}
+    uid, version = meta.get("uid", ""), meta.get("resourceVersion", "")
+    with rt.guard:
+        if rt.unreadable.get(uid) == version:
+            return
+        rt.unreadable[uid] = version
+    message = (f"this operator (daedalus {__version__}) cannot read the job's status, so it leaves the job, its "
+               f"RayCluster and its Ray job as they are: {why}. Run the operator version that wrote it (a newer "
+               "one?), or, to start the job's bookkeeping over, clear the status field it names")
+    logger.error(message)
+    kopf.event(body, type="Warning", reason=STATUS_UNREADABLE, message=message[:1024])
 
 
 # ------------------------------------------------------------------------------------------------ deletion

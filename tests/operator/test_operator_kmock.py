@@ -525,3 +525,29 @@ def test_a_new_control_secret_replaces_the_token_the_operator_cached(tmp_path: P
         assert h._token(rt, job) == "by-hand"
     finally:
         e.stop()
+
+
+def test_a_status_this_operator_cannot_read_leaves_the_job_alone_and_says_why(env: OperatorEnv) -> None:
+    """A status written by another operator version (here a phase this one does not know, which a newer CRD would
+    admit): the operator neither reads it as empty (the job would look new) nor crashes on it in a loop; it acts on
+    nothing (the RayCluster stays the same object), keeps the status as it is, posts one StatusUnreadable warning
+    naming the field, and takes the job up again once the status is readable."""
+    env.apply(env.job_manifest())
+    env.wait_phase("Provisioning", timeout=30)
+    rc = wait_for(lambda: env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray"), timeout=30,
+                  message="the RayCluster")
+    env.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"phase": "Preempted", "restarts": 2}}, status=True)
+    reasons = env.wait_event_reasons("StatusUnreadable")
+    time.sleep(2.0)  # ~6 timer ticks at poll 0.3 s: still one event, nothing changed
+    assert env.event_reasons().count("StatusUnreadable") == 1, env.event_reasons()
+    warning = next(e for e in env.events() if e.get("reason") == "StatusUnreadable")
+    assert warning["type"] == "Warning" and "status.phase" in warning["message"] and "'Preempted'" in warning["message"]
+    st = env.status()
+    assert (st["phase"], st["restarts"]) == ("Preempted", 2)
+    assert env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray")["metadata"]["uid"] == rc["metadata"]["uid"]
+    assert "StatusUnreadable" in reasons
+    env.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"phase": "Provisioning"}}, status=True)
+    st = env.wait_status(lambda s: s.get("phase") == "Provisioning" and s.get("restarts") == 2 and any(
+        c["type"] == "Reconciling" and c["status"] == "True" for c in s.get("conditions", [])), timeout=30,
+        message="the job taken up again")
+    assert env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray")["metadata"]["uid"] == rc["metadata"]["uid"]
