@@ -157,6 +157,7 @@ class Reason(str, enum.Enum):
     APPLICATION_ERROR = "ApplicationError"
     HUNG = "Hung"
     SUSPEND = "Suspend"
+    SPEC_FIXED = "SpecFixed"  # a job failed for an invalid spec resumes once it is valid again (the user's restart)
     # terminal / stalled
     INVALID_SPEC = "InvalidSpec"
     RESTART_LIMIT = "RestartLimitExceeded"
@@ -171,8 +172,9 @@ INFRASTRUCTURE_REASONS = frozenset({
     Reason.NODE_REPLACEMENT, Reason.NODE_REBOOT, Reason.NODE_LOST, Reason.WORKER_LOST, Reason.HEAD_LOST,
     Reason.CLUSTER_LOST, Reason.JOB_FAILED, Reason.JOB_STOPPED,
 })
-#: Reasons announced ahead of time (HyperPod labels, suspend): no restart backoff, a checkpoint is taken first.
-PLANNED_REASONS = frozenset({Reason.NODE_REPLACEMENT, Reason.NODE_REBOOT, Reason.SUSPEND})
+#: Reasons announced ahead of time (HyperPod labels, suspend: a checkpoint is taken first) or restarts the user made
+#: (an invalid spec fixed): no restart backoff, no count against maxRestarts.
+PLANNED_REASONS = frozenset({Reason.NODE_REPLACEMENT, Reason.NODE_REBOOT, Reason.SUSPEND, Reason.SPEC_FIXED})
 
 
 class EventType(str, enum.Enum):

@@ -40,7 +40,8 @@ Failure handling, in DESIGN order:
    is deleted like a pod on a bad node, so that KubeRay recreates it: otherwise the cluster never becomes usable and
    the job waits for ever.
 4. Every resubmission counts in ``status.restarts``; those after a planned cause (a HyperPod replacement or reboot,
-   :data:`api.PLANNED_REASONS`) also in ``status.plannedRestarts``. Only unplanned ones count against
+   the resume of a job that failed for an invalid spec once it is fixed: :data:`api.PLANNED_REASONS`) also in
+   ``status.plannedRestarts``. Only unplanned ones count against
    ``maxRestarts``: once ``restarts - plannedRestarts >= maxRestarts``, the next unplanned failure makes the job Failed
    (RestartLimitExceeded); a planned restart is never refused (maintenance must not fail a weeks-long job), but one
    detected before the previous restart made a step backs off like a failure (a flapping node cannot loop at full
@@ -1007,4 +1008,10 @@ def plan(job: JobView, observed: Observed, now: dt.datetime, timing: Timing = Ti
         b.plan.phase = phase
         b.set(last_failure=None, completion_time=None)
         b.event(Reason.AS_EXPECTED, "the spec is valid again")
+        if phase == Phase.RECOVERING and job.status.recovery is None:
+            # The user's fix restarts the job, as a resume after suspension does: planned, so no backoff and no count
+            # against maxRestarts (it had read as an unplanned restart for reason "Unknown", and with maxRestarts
+            # spent, as RestartLimitExceeded).
+            b.set(recovery=RecoveryInfo(reason=Reason.SPEC_FIXED.value, message="the spec is valid again",
+                                        detected_at=b.now_s(), step_at_detection=job.status.current_step))
     return _PHASES[phase](b)

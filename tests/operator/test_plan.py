@@ -971,3 +971,25 @@ def test_a_resumed_attempt_that_is_still_starting_does_not_reset_the_step() -> N
     stepping = dataclasses.replace(loaded, step=13, phase="training")
     r = p.plan(job(new), obs(t=stepping), NOW)
     assert r.recovered is not None and r.status["last_progress_time"] == format_time(NOW)
+
+
+def test_a_running_job_whose_invalid_spec_is_fixed_resumes_as_a_planned_restart() -> None:
+    """A running job (3 unplanned restarts already, maxRestarts 3) failed for an invalid spec; the user fixes it. The
+    resume is the user's restart, as after a suspension: Recovering with a SpecFixed recovery (not "Unknown"), then a
+    resubmission counted in plannedRestarts and never refused by maxRestarts (it had failed the job at once with
+    "RestartLimitExceeded: Unknown: ")."""
+    failed = running_status(phase="Failed", restarts=3, lastFailure={"reason": "InvalidSpec", "message": "x"})
+    first = p.plan(job(failed, resilience__maxRestarts=3), obs(GONE, p.RayJobState.NOT_FOUND), NOW)
+    assert first.phase == Phase.RECOVERING and first.status["last_failure"] is None
+    rec = first.status["recovery"]
+    assert (rec.reason, rec.message, rec.step_at_detection) == ("SpecFixed", "the spec is valid again", 12)
+    assert [e.reason for e in first.events][:1] == ["AsExpected"]
+    # the next reconciles: a new RayCluster, ready; the old attempt is gone with the old cluster
+    recovering = dict(failed, phase="Recovering", recovery=rec.model_dump(by_alias=True, mode="json",
+                                                                          exclude_none=True))
+    recovering.pop("lastFailure")
+    second = p.plan(job(recovering, resilience__maxRestarts=3), obs(READY, p.RayJobState.NOT_FOUND), NOW)
+    assert second.phase == Phase.RUNNING, (second.phase, second.events)
+    assert any(isinstance(a, p.Submit) and a.attempt == 2 for a in second.actions), second.actions
+    assert (second.status["restarts"], second.status["planned_restarts"]) == (4, 1)
+    assert second.restart_reason == "SpecFixed"
