@@ -264,16 +264,17 @@ def test_corrupt_newest_falls_back_to_previous_with_log(tmp_path: Path, caplog, 
                for line in lines), lines
 
 
-def test_an_unreadable_newest_checkpoint_is_an_error_not_a_fallback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("unreadable", ["optimizer.pt", MANIFEST])
+def test_an_unreadable_newest_checkpoint_is_an_error_not_a_fallback(tmp_path: Path, unreadable: str) -> None:
     """Permission denied (EACCES, a real one: the file mode is 000 and the reader may not override it) on the newest
-    checkpoint's optimizer state says nothing about its content: load_latest raises instead of resuming from the
-    older checkpoint (whose steps would be trained again, and the newer one moved aside). As root the read runs in a
-    child process without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH (util-linux setpriv)."""
+    checkpoint's optimizer state or its manifest says nothing about its content: load_latest raises instead of
+    resuming from the older checkpoint (whose steps would be trained again, and the newer one moved aside). As root
+    the read runs in a child process without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH (util-linux setpriv)."""
     import sys
 
     root = tmp_path / "ckpt"
     save_steps(CheckpointManager(root, keep=3), [10, 20])
-    (root / "step-000020" / "optimizer.pt").chmod(0)
+    (root / "step-000020" / unreadable).chmod(0)
     probe = ("import sys\nfrom daedalus_trainer.checkpoint import CheckpointError, load_latest\n"
              "try:\n    c = load_latest(sys.argv[1])\nexcept CheckpointError as e:\n    print('ERROR', e)\n"
              "else:\n    print('LOADED', c.step)\n")

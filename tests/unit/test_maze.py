@@ -478,6 +478,21 @@ def test_max_turns_truncation_automatic_and_explicit() -> None:
     assert (reward, terminated, truncated) == (1.0, True, False)
 
 
+def test_an_unreachable_goal_needs_an_explicit_turn_limit() -> None:
+    """A hand-made maze whose goal cannot be reached has no optimal number of actions: the automatic limit used to
+    come out as 0 (stop-on-goal) or -2 (arrival) and every episode ended after one turn, reporting that limit."""
+    walled_in = Maze.from_ascii("#####\n#A#.#\n###.#\n#..G#\n#####")
+    for rule in SUCCESS_ON:
+        with pytest.raises(ValueError, match=r"cannot be reached from the start \(1, 1\).*give max_turns"):
+            Maze2DEnv(size=5, success_on=rule).reset(options={"maze": walled_in})
+        env = Maze2DEnv(size=5, success_on=rule, max_turns=3)  # explicit: played, never solved
+        _, info = env.reset(options={"maze": walled_in})
+        assert (info["max_turns"], info["optimal_path_length"]) == (3, -1)
+        for turn in (1, 2, 3):
+            *_, reward, terminated, truncated, info = env.step('move("right")')
+            assert (reward, terminated, truncated) == (0.0, False, turn == 3)
+
+
 def test_info_keys_and_observation_types() -> None:
     env = Maze2DEnv(size=9, cell_px=16)
     obs, info = env.reset(seed=3)

@@ -694,7 +694,11 @@ def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[ManifestProb
         doc = json.loads(mpath.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None, [ManifestProblem(MANIFEST, "missing", f"{mpath} does not exist")]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except OSError as e:
+        if e.errno in READ_ERRNOS:  # the file system's or the permissions' fault, not the content's: the caller decides
+            raise
+        return None, [ManifestProblem(MANIFEST, "unreadable JSON", str(e))]
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         return None, [ManifestProblem(MANIFEST, "unreadable JSON", str(e))]
     if not isinstance(doc, dict) or not isinstance(doc.get("files"), list):
         return None, [ManifestProblem(MANIFEST, "bad manifest", "no 'files' list")]
@@ -713,6 +717,10 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[ManifestProblem]:
 
     Returns:
         The problems found, empty when the checkpoint is usable.
+
+    Raises:
+        OSError: a file (MANIFEST.json included) could not be read for the file system's or the permissions' sake
+            (:data:`READ_ERRNOS`: ``EIO``, ``EACCES``, ...), which says nothing about the checkpoint's content.
     """
     path = Path(path)
     doc, problems = _read_manifest(path)
@@ -1236,7 +1244,8 @@ def export_adapter(ckpt: CheckpointRef, dest: str | os.PathLike[str]) -> Path:
     Raises:
         CheckpointCorruptError: the checkpoint's adapter files do not match its manifest.
         CheckpointError: the copy did not match (an I/O fault), or ``ckpt`` is not a checkpoint.
-        OSError: writing ``dest`` failed (the previous ``dest`` is left in place).
+        OSError: writing ``dest`` failed (the previous ``dest`` is left in place), or reading the checkpoint failed
+            for the file system's sake (:data:`READ_ERRNOS`, as :func:`verify_checkpoint`).
     """
     src = Path(ckpt.path if isinstance(ckpt, (LoadedCheckpoint, CheckpointInfo)) else ckpt).absolute()
     dest = Path(dest).absolute()

@@ -616,8 +616,10 @@ class Maze2DEnv(gymnasium.Env):
         """Start an episode on a new maze (or ``options["maze"]``).
 
         Raises:
-            ValueError: ``options["maze"]`` is not a :class:`Maze` of this environment's size, or
-                ``options`` has unknown keys.
+            ValueError: ``options["maze"]`` is not a :class:`Maze` of this environment's size, ``options`` has
+                unknown keys, or the maze's goal cannot be reached from its start while ``max_turns`` is automatic
+                (0: twice the optimal number of actions, which such a maze does not have). With an explicit
+                ``max_turns`` such a maze is played (it cannot be solved).
         """
         super().reset(seed=seed)
         options = dict(options or {})
@@ -628,10 +630,14 @@ class Maze2DEnv(gymnasium.Env):
             maze = generate_maze(self.size, self.np_random)
         elif not isinstance(maze, Maze) or maze.size != self.size:
             raise ValueError(f"options['maze'] must be a Maze of size {self.size}, got {maze!r}")
+        dist = distance_map(maze)
+        if dist[maze.start] < 0 and not self.max_turns_setting:
+            raise ValueError(f"the goal {maze.goal} cannot be reached from the start {maze.start}: the automatic turn "
+                             "limit (max_turns=0, twice the optimal number of actions) is undefined; give max_turns")
         self.maze = maze
         self.agent = maze.start
         self.turn = 0
-        self._dist = distance_map(maze)
+        self._dist = dist
         self.optimal_path_length = int(self._dist[maze.start])
         optimal_actions = self.optimal_path_length + (1 if self.success_on == "stop-on-goal" else 0)
         self.max_turns = self.max_turns_setting or 2 * optimal_actions
