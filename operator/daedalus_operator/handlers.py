@@ -279,7 +279,7 @@ class Runtime:
     budgeted: int = 0  # gates with budgeted=True
     pruned_at: float = 0.0  # time.monotonic() of the last pass over gates for stale ones
     last_api_ok: float = dataclasses.field(default_factory=time.monotonic)
-    # uid -> the resourceVersion whose unreadable status was last reported (:func:`unreadable_status`): one event each
+    # uid -> the resourceVersion whose unreadable status was last reported (:func:`read_status`): one event each
     unreadable: dict[str, str] = dataclasses.field(default_factory=dict)
     guard: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -369,27 +369,27 @@ class Runtime:
 
 
 # ------------------------------------------------------------------------------------------------ reading the job
-#: Event reason (Warning) for a job whose ``.status`` this operator cannot read (:func:`unreadable_status`).
+#: Event reason (Warning) for a job whose ``.status`` this operator cannot read (:func:`read_status`).
 STATUS_UNREADABLE = "StatusUnreadable"
 
 
-def unreadable_status(body: dict[str, Any]) -> str | None:
-    """Why this operator cannot read the job's ``.status`` (its first validation error against
-    :class:`~daedalus_trainer.config.RLTrainingJobStatus`, with the field path and the value), or ``None`` when it
-    can. A status the CRD accepts but this version's model refuses comes from another version of the operator (e.g.
-    a phase added by a newer one, whose CRD was applied, then the operator rolled back): :func:`reconcile` then acts
-    on nothing, since a status read as empty would make a running job look new."""
+def read_status(doc: dict[str, Any] | None) -> tuple[RLTrainingJobStatus, str | None]:
+    """A job's ``.status`` as this operator reads it, and ``None``; or, when it cannot (the first validation error
+    against :class:`~daedalus_trainer.config.RLTrainingJobStatus`), an empty status and why, with the field path and
+    the value. A status the CRD accepts but this version's model refuses comes from another version of the operator
+    (e.g. a phase added by a newer one, whose CRD was applied, then the operator rolled back): :func:`reconcile` then
+    acts on nothing, since a status read as empty would make a running job look new."""
     try:
-        RLTrainingJobStatus.model_validate(body.get("status") or {})
+        return RLTrainingJobStatus.model_validate(doc or {}), None
     except ValueError as exc:
         errors = exc.errors() if isinstance(exc, pydantic.ValidationError) else []
         if not errors:
-            return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return RLTrainingJobStatus(), (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         first = errors[0]
         where = ".".join(str(p) for p in ("status", *first["loc"]))
         value = repr(first.get("input"))
-        return f"{where}: {first['msg']} (it holds {value[:80] + '...' if len(value) > 80 else value})"
-    return None
+        return RLTrainingJobStatus(), (f"{where}: {first['msg']} "
+                                       f"(it holds {value[:80] + '...' if len(value) > 80 else value})")
 
 
 def job_view(body: dict[str, Any]) -> JobView:
@@ -402,12 +402,10 @@ def job_view(body: dict[str, Any]) -> JobView:
         spec = parse_job(manifest).spec
     except SpecError as exc:
         errors = tuple(exc.errors)
-    try:
-        status = RLTrainingJobStatus.model_validate(body.get("status") or {})
-    except ValueError:
-        status = RLTrainingJobStatus()  # unreadable status: start from scratch, never crash the handler
+    status, status_error = read_status(body.get("status"))  # unreadable: empty, never crash the handler
     return JobView(name=meta["name"], namespace=meta["namespace"], uid=meta.get("uid", ""),
                    generation=int(meta.get("generation") or 1), spec=spec, status=status, spec_errors=errors,
+                   status_error=status_error,
                    serving_lora_uri=(meta.get("annotations") or {}).get(resources.SERVING_LORA_URI_ANNOTATION))
 
 
@@ -773,12 +771,11 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
                 body = rt.kube.get(kube.RLTJ, namespace, name)
                 if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
                     break
-            why = unreadable_status(body)
-            if why is not None:
-                result = "error"
-                _report_unreadable_status(rt, body, why, logger)
-                return None
             job = job_view(body)
+            if job.status_error is not None:
+                result = "error"
+                _report_unreadable_status(rt, body, job.status_error, logger)
+                return None
             observed = gather(rt, job, indexes)
             trainer = observed.trainer
             rt.children(job.uid).note_cluster(observed.cluster.exists)
@@ -860,7 +857,7 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
 
 def _report_unreadable_status(rt: Runtime, body: dict[str, Any], why: str, logger: Any) -> None:
     """Say once per resourceVersion (a Warning event on the job and an error in the log) that the reconcile leaves the
-    job alone because this operator cannot read its status (``why``, from :func:`unreadable_status`)."""
+    job alone because this operator cannot read its status (``why``, from :func:`read_status`)."""
     meta = body.get("metadata") or {}
     uid, version = meta.get("uid", ""), meta.get("resourceVersion", "")
     with rt.guard:
@@ -869,7 +866,7 @@ def _report_unreadable_status(rt: Runtime, body: dict[str, Any], why: str, logge
         rt.unreadable[uid] = version
     message = (f"this operator (daedalus {__version__}) cannot read the job's status, so it leaves the job, its "
                f"RayCluster and its Ray job as they are: {why}. Run the operator version that wrote it (a newer "
-               "one?), or, to start the job's bookkeeping over, clear the status field it names")
+               "one?), or set the field it names to a value this version knows (docs/deploy.md)")
     logger.error(message)
     kopf.event(body, type="Warning", reason=STATUS_UNREADABLE, message=message[:1024])
 

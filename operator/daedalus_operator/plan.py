@@ -229,6 +229,7 @@ class JobView:
     status: RLTrainingJobStatus
     spec_errors: tuple[tuple[str, str], ...] = ()
     serving_lora_uri: str | None = None
+    status_error: str | None = None  # why this operator cannot read the stored status (``status`` is then empty)
 
     @property
     def expected_pods(self) -> int:
@@ -633,7 +634,7 @@ def expected_pods(job: JobView, cluster: ClusterState) -> int:
     """The pods the job's Ray cluster should have: what its RayCluster asks for when it exists
     (:attr:`ClusterState.expected_pods`; the operator never patches a RayCluster, so a worker group edited in the
     job's spec takes effect with the next RayCluster), else what the job's spec asks for."""
-    if cluster.exists and cluster.expected_pods is not None:
+    if cluster.expected_pods is not None:  # None when the RayCluster does not exist
         return cluster.expected_pods
     return job.expected_pods
 

@@ -809,13 +809,14 @@ def run_sft(
     # stopped (before, such a run ended without its 100% line, and its history without the last step's accuracy).
     if window_loss:
         figures = measure()
-    bar.n = min(100, round(100 * spent()))
+    done = min(100, int(100 * spent()))
+    bar.n = done
     bar.set_postfix(**figures)
     bar.close()
     if progress:
         why = (f"all {max_steps} steps done" if state.step >= max_steps else
                f"the time budget (sft.maxSeconds {max_seconds:.0f} s) ran out before step {max_steps}")
-        print(f"{progress_line(min(100, int(100 * spent())))}; stopped: {why}", file=sys.stderr, flush=True)
+        print(f"{progress_line(done)}; stopped: {why}", file=sys.stderr, flush=True)
     save_checkpoint(out_dir, policy, optimizer, state)
     if warn_budget and state.step < max_steps:
         log.warning("SFT stopped at its time budget (sft.maxSeconds %.0f s) after %d of %d steps (%.1f steps/s): "
