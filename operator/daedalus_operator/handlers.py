@@ -886,6 +886,61 @@ CHECKPOINTED_BEFORE_DELETION = "CheckpointedBeforeDeletion"
 NO_CHECKPOINT_BEFORE_DELETION = "NoCheckpointBeforeDeletion"
 
 
+@dataclasses.dataclass(frozen=True)
+class DeletionFields:
+    """The three status fields the finalizer reads (:func:`deletion_fields`).
+
+    Attributes:
+        phase: a :class:`~daedalus_operator.api.Phase` value (``"Pending"`` when the status has none: a job never
+            reconciled); ``None`` when unreadable (see ``problem``).
+        submission_id: ``status.submissionId``, ``None`` when absent or unreadable.
+        submission_confirmed: ``status.submissionConfirmed`` when it is a boolean, else ``False`` (the finalizer then
+            asks the Ray dashboard whether the job runs before waiting for its trainer).
+        problem: why a field the checkpoint decision needs could not be read (the phase, or a ``submissionId`` that
+            is there but not a string), with the value; ``None`` when both were read.
+    """
+
+    phase: str | None
+    submission_id: str | None
+    submission_confirmed: bool
+    problem: str | None = None
+
+
+def _held(value: Any) -> str:
+    text = repr(value)
+    return text[:80] + "..." if len(text) > 80 else text
+
+
+def deletion_fields(status: Any) -> DeletionFields:
+    """``phase``, ``submissionId`` and ``submissionConfirmed`` of a job's ``.status`` (``status``: the raw value, a
+    mapping or ``None``), each read on its own: a status whose *other* fields this operator cannot read (a value of
+    another operator version; :func:`read_status` refuses the whole of it) still tells the finalizer whether a
+    trainer runs. A phase that is not one of :class:`~daedalus_operator.api.Phase` (a newer version's, or not a
+    string) and a ``submissionId`` that is not a string are reported in ``problem``; a missing phase is ``Pending``.
+    Never raises."""
+    if status is None:
+        status = {}
+    if not isinstance(status, dict):
+        return DeletionFields(None, None, False, f"status is not an object (it holds {_held(status)})")
+    problems = []
+    raw_phase = status.get("phase")
+    if raw_phase is None or raw_phase == "":
+        phase: str | None = api.Phase.PENDING.value
+    elif isinstance(raw_phase, str) and raw_phase in {p.value for p in api.Phase}:
+        phase = raw_phase
+    else:
+        phase = None
+        problems.append(f"status.phase is not a phase this operator (daedalus {__version__}) knows "
+                        f"(it holds {_held(raw_phase)})")
+    raw_sid = status.get("submissionId")
+    sid = raw_sid if isinstance(raw_sid, str) and raw_sid else None
+    if raw_sid is not None and not isinstance(raw_sid, str):
+        problems.append(f"status.submissionId is not a string (it holds {_held(raw_sid)})")
+    confirmed = status.get("submissionConfirmed")
+    return DeletionFields(phase, sid, confirmed if isinstance(confirmed, bool) else False,
+                          "; ".join(problems) or None)
+
+
 def deletion_checkpoint_key(submission_id: str) -> str:
     """The :class:`~daedalus_operator.submit.CheckpointCalls` key of the checkpoint asked for before deleting the
     attempt ``submission_id``: apart from the planner's call (keyed by the submission id alone), whose earlier
@@ -914,6 +969,11 @@ def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, 
     attempt starts with ``--resume latest``, so a job created again under the same name (``kubectl delete`` then
     ``apply``, Argo CD's replace) resumes from the checkpoint written here instead of the last periodic one.
 
+    The status is read field by field (:func:`deletion_fields`): other fields this operator cannot read do not stop
+    the checkpoint; a phase it cannot read (a newer version's, or not a string) gives no checkpoint, at once, with a
+    Warning ``NoCheckpointBeforeDeletion`` that names the value: whether a trainer runs is unknown, and the deletion
+    must not be held by a status the operator cannot mend.
+
     Only a job whose status phase is in :data:`CHECKPOINT_ON_DELETE_PHASES`, with a submission id, whose RayCluster
     exists and is not being deleted, whose Ray job has not ended, and whose submission was confirmed (or the dashboard
     reports it running) is asked: ``POST /stop`` (the job's token)
@@ -940,9 +1000,12 @@ def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, 
         kopf.TemporaryError: still waiting (the call in flight, a retry started, the RayCluster or the token Secret not
             readable yet) and the bound not reached; ``delay`` at most :data:`DELETION_POLL_SECONDS`.
     """
-    status = body.get("status") or {}
-    phase = status.get("phase") or "Pending"
-    sid = status.get("submissionId")
+    fields = deletion_fields(body.get("status"))
+    if fields.problem is not None:
+        return DeletionCheckpoint(f"no checkpoint before deletion: {fields.problem}, so whether a trainer runs is "
+                                  "unknown; the deletion goes on without one, and steps since the latest checkpoint "
+                                  "may be lost", reason=NO_CHECKPOINT_BEFORE_DELETION, warning=True)
+    phase, sid = fields.phase, fields.submission_id
     if phase not in CHECKPOINT_ON_DELETE_PHASES or not sid:
         return DeletionCheckpoint(f"no checkpoint before deletion: the job is {phase}, no trainer runs")
     job = job_view(body)
@@ -996,7 +1059,7 @@ def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, 
     if call.error is None:
         # A submission never confirmed (its dashboard did not answer) that the dashboard does not now report running
         # has no trainer known to run: not waited for, else a dead head would hold the deletion for the whole bound.
-        if not status.get("submissionConfirmed") and not (ray_job is not None and ray_job.state.active):
+        if not fields.submission_confirmed and not (ray_job is not None and ray_job.state.active):
             return none("its submission was never confirmed running and the Ray dashboard does not report it "
                         "running" + (f" ({ray_job.message})" if ray_job is not None and ray_job.message else ""))
     if call.http_status == 401:
@@ -1052,9 +1115,8 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
         return min((_utcnow() - started).total_seconds(), time.monotonic() - first_seen)
 
     waited = elapsed()
-    status = body.get("status") or {}
     problems: list[str] = []
-    sid = status.get("submissionId")
+    sid = deletion_fields(body.get("status")).submission_id
     cluster_error = None
     try:
         cluster_body = rt.kube.get(kube.RAYCLUSTERS, namespace, api.raycluster_name(name)) if rt.kube else None

@@ -528,6 +528,71 @@ def test_an_unconfirmed_submission_with_an_unanswering_dashboard_is_not_waited_f
         trainer.close()
 
 
+@pytest.mark.parametrize("status, phase, sid, confirmed, problem", [
+    (None, "Pending", None, False, None),
+    ({}, "Pending", None, False, None),
+    ({"phase": "Running", "submissionId": "j-a1", "submissionConfirmed": True}, "Running", "j-a1", True, None),
+    # other fields no version of the model reads do not matter here
+    ({"phase": "Checkpointing", "submissionId": "j-a2", "submissionConfirmed": True,
+      "attemptStartTime": "yesterday", "consecutiveFailures": "many", "conditions": "none"},
+     "Checkpointing", "j-a2", True, None),
+    ({"phase": "Running", "submissionId": "j-a1", "submissionConfirmed": "true"}, "Running", "j-a1", False, None),
+    ({"phase": "Preempted", "submissionId": "j-a1"}, None, "j-a1", False, "status.phase is not a phase"),
+    ({"phase": ["Running"], "submissionId": "j-a1"}, None, "j-a1", False, "(it holds ['Running'])"),
+    ({"phase": "Running", "submissionId": 7}, "Running", None, False, "status.submissionId is not a string"),
+    ("Running", None, None, False, "status is not an object (it holds 'Running')"),
+], ids=["none", "empty", "running", "other-fields-invalid", "confirmed-not-bool", "unknown-phase", "phase-list",
+        "sid-int", "not-a-mapping"])
+def test_deletion_fields_reads_each_field_on_its_own(status, phase, sid, confirmed, problem) -> None:
+    from daedalus_operator.handlers import deletion_fields, read_status
+
+    fields = deletion_fields(status)
+    assert (fields.phase, fields.submission_id, fields.submission_confirmed) == (phase, sid, confirmed)
+    if problem is None:
+        assert fields.problem is None
+    else:
+        assert problem in fields.problem, fields.problem
+    if isinstance(status, dict) and "attemptStartTime" in status:
+        assert read_status(status)[1] is not None  # the reconcile's reader refuses this status as a whole
+
+
+def test_a_status_with_unreadable_other_fields_still_checkpoints_before_deletion() -> None:
+    """A Running status that :func:`read_status` refuses for a field the deletion does not need (here the attempt's
+    start time and a counter): the trainer is still asked, and its checkpoint written."""
+    from daedalus_operator.handlers import CHECKPOINTED_BEFORE_DELETION
+
+    trainer = ControlTrainer((200, {"step": 21, "path": "/c/step-000021"}))
+    try:
+        rt = Runtime(settings=OperatorSettings(request_timeout=1.0), metrics=OperatorMetrics())
+        rt.kube = SecretOnly("tok")
+        body = _deleted_body()
+        body["status"].update(attemptStartTime="yesterday", consecutiveFailures="many")
+        outcome, _ = _until_decided(rt, body, _head(trainer), [0.0])
+        assert (outcome.step, outcome.reason) == (21, CHECKPOINTED_BEFORE_DELETION)
+        assert [path for path, _, _ in trainer.seen] == ["/stop"]
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("phase", ["Preempted", ["Running"]], ids=["unknown", "not-a-string"])
+def test_an_unreadable_phase_gives_no_checkpoint_and_a_warning_at_once(phase) -> None:
+    """A phase this operator cannot read (a newer version's, or not a string): whether a trainer runs is unknown. No
+    request, no wait, and a Warning that names the value (before, an unknown phase was logged at info as "no trainer
+    runs" and a list raised TypeError, which kopf retried with no bound)."""
+    from daedalus_operator.handlers import NO_CHECKPOINT_BEFORE_DELETION, checkpoint_before_deletion
+
+    trainer = ControlTrainer()
+    try:
+        rt = Runtime(settings=OperatorSettings(request_timeout=1.0), metrics=OperatorMetrics())
+        rt.kube = SecretOnly("tok")
+        outcome = checkpoint_before_deletion(rt, _deleted_body(phase), _head(trainer), None, 0.0)
+        assert outcome.warning and outcome.reason == NO_CHECKPOINT_BEFORE_DELETION and outcome.step is None
+        assert repr(phase) in outcome.message and "status.phase" in outcome.message
+        assert trainer.seen == []
+    finally:
+        trainer.close()
+
+
 def test_a_forgotten_checkpoint_call_records_nothing_when_it_ends_late() -> None:
     """The finalizer forgets the deletion's call when it releases; a trainer that answers after that (the call was
     still in flight at the bound) must not leave an entry behind for ever, nor overwrite a call started again."""

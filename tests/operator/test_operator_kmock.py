@@ -551,3 +551,26 @@ def test_a_status_this_operator_cannot_read_leaves_the_job_alone_and_says_why(en
         c["type"] == "Reconciling" and c["status"] == "True" for c in s.get("conditions", [])), timeout=30,
         message="the job taken up again")
     assert env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray")["metadata"]["uid"] == rc["metadata"]["uid"]
+
+
+@pytest.mark.parametrize("phase", ["Preempted", ["Running"]], ids=["unknown-phase", "phase-not-a-string"])
+def test_deleting_a_job_whose_phase_cannot_be_read_warns_and_is_not_held(env: OperatorEnv, phase: Any) -> None:
+    """A job whose status phase this operator cannot read (a newer version's phase, which its CRD would admit; or a
+    value of the wrong type, which only a status without schema could hold) is deleted at once: the finalizer does not
+    know whether a trainer runs, so it asks none, says so in a Warning NoCheckpointBeforeDeletion naming the value,
+    and deletes the children. Before, the unknown phase was logged at info as "no trainer runs" with no event, and the
+    list raised TypeError in the finalizer, which kopf retried without end (the job never went)."""
+    env.apply(env.job_manifest())
+    wait_for(lambda: all(children(env).values()), timeout=30, message="children")
+    env.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"phase": phase, "submissionId": "local-tiny-x-a1",
+                                                         "submissionConfirmed": True}}, status=True)
+    env.wait_event_reasons("StatusUnreadable")  # the reconcile left it alone, as before
+    t0 = time.monotonic()
+    env.kube.delete(RLTJ, "ml", "local-tiny")
+    wait_for(lambda: env.get_job() is None, timeout=30, message="the job to be gone")
+    assert time.monotonic() - t0 < 15.0
+    assert all(v is None for v in children(env).values())
+    env.wait_event_reasons("NoCheckpointBeforeDeletion")
+    warning = [e for e in env.events() if e.get("reason") == "NoCheckpointBeforeDeletion"]
+    assert len(warning) == 1 and warning[0]["type"] == "Warning", warning
+    assert "status.phase" in warning[0]["message"] and repr(phase) in warning[0]["message"], warning[0]["message"]
