@@ -443,7 +443,8 @@ def _all_values(index: Any) -> dict[Any, dict]:
 
 def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
     """Everything the planner needs: RayCluster (index), pods and nodes (indexes), the Ray job and the trainer
-    (HTTP), the background checkpoint call, the RayService (index).
+    (HTTP), the background checkpoint call of the current attempt (those of the job's earlier attempts are dropped,
+    :meth:`~daedalus_operator.submit.CheckpointCalls.retain`), the RayService (index).
 
     Raises:
         kopf.TemporaryError: a kopf index kept changing while it was copied (:func:`_copy_retrying`).
@@ -475,6 +476,8 @@ def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
         else:
             ray_job = RayJobObservation(RayJobState.UNREACHABLE,
                                         "no RayCluster" if not cluster.exists else "no head address yet")
+    # The entries of this job's earlier attempts are never read again (the planner reads the current one's only).
+    rt.calls.retain(job.uid, st.submission_id)
     trainer = TrainerObservation()
     if ray_job.state.active and cluster.control_url:
         trainer = TrainerControl(cluster.control_url, timeout=rt.settings.request_timeout).status()
@@ -623,7 +626,7 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
             raise RayUnreachable("no head address for the checkpoint request")
         control = TrainerControl(c.control_url, token=_token(rt, job), timeout=rt.settings.request_timeout)
         wait = float(job.spec.resilience.checkpoint_timeout_seconds) if job.spec else 300.0
-        if rt.calls.start(action.submission_id, control, wait, stop=action.stop):
+        if rt.calls.start(action.submission_id, control, wait, stop=action.stop, owner=job.uid):
             logger.info(f"{'stop after a checkpoint' if action.stop else 'checkpoint'} requested from the trainer of "
                         f"{action.submission_id} (step >= {action.target_step})")
     elif isinstance(action, StopJob):
@@ -1069,7 +1072,7 @@ def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, 
     except kube.KubeError as e:
         raise wait(f"reading the control token for the checkpoint before deletion: {e}") from None
     control = TrainerControl(cluster.control_url, token=token, timeout=rt.settings.request_timeout)
-    rt.calls.start(key, control, left, stop=True)
+    rt.calls.start(key, control, left, stop=True, owner=job.uid, attempt=sid)
     raise wait(f"checkpoint requested from the trainer of {sid} before stopping it"
                + (f" (again, after: {call.error})" if call.error else ""))
 
@@ -1093,7 +1096,9 @@ def deletion_checkpoint_bound(checkpoint_timeout: float, deletion_timeout: float
 
 def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     """Checkpoint a running trainer (:func:`checkpoint_before_deletion`), stop the Ray job, delete every child; give
-    up (and let kopf release the finalizer) after ``deletion_timeout`` seconds from ``deletionTimestamp``.
+    up (and let kopf release the finalizer) after ``deletion_timeout`` seconds from ``deletionTimestamp``. The job's
+    records in this process are dropped: its token, poll gate and children on every pass, its checkpoint calls (of
+    every attempt; one in flight when it ends) and metrics series on release.
 
     The checkpoint's outcome is logged, and for a job whose trainer was running posted as an event
     (``CheckpointedBeforeDeletion`` with the step, or Warning ``NoCheckpointBeforeDeletion`` with the reason), once
@@ -1169,8 +1174,7 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     with rt.guard:
         rt.deleting.pop(uid, None)
         rt.deletion_checkpoints.pop(uid, None)
-    if sid:
-        rt.calls.forget(deletion_checkpoint_key(sid))
+    rt.calls.retain(meta.get("uid", ""), None)  # every attempt's entries (a call in flight: when it ends)
     if problems:
         logger.warning(f"releasing the finalizer after {waited:.0f} s despite: {'; '.join(problems)}")
     rt.metrics.forget_job(namespace, name)

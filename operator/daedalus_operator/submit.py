@@ -17,7 +17,8 @@ trainer exits cleanly: no step runs after the checkpoint).
 
 :class:`CheckpointCalls` - runs the blocking ``POST /checkpoint`` in a background thread per attempt, so a reconcile
 never waits minutes for a step boundary; the planner reads the outcome as a
-:class:`~daedalus_operator.plan.CheckpointCall`.
+:class:`~daedalus_operator.plan.CheckpointCall`. The operator drops the entries of a job's earlier attempts on each
+reconcile and all of a job's entries when it is deleted (:meth:`CheckpointCalls.retain`).
 
 References: Ray Jobs REST API and Python SDK (https://docs.ray.io/en/latest/cluster/running-applications/job-submission/),
 ray.job_submission.JobStatus.
@@ -25,6 +26,7 @@ ray.job_submission.JobStatus.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -253,27 +255,51 @@ class TrainerControl:
         return self._post("/stop", wait_seconds)
 
 
+#: Most entries :attr:`CheckpointCalls.started` keeps (the oldest go first).
+STARTED_KEEP = 256
+
+
 class CheckpointCalls:
     """Background ``POST /checkpoint`` calls, one per key (the submission id). Thread-safe.
 
     ``start`` does nothing while a call for the key is in flight or has already succeeded; a failed call may be
     started again. ``get`` reports the state as a :class:`~daedalus_operator.plan.CheckpointCall`.
+
+    Entries are kept until dropped: :meth:`forget` drops one key, :meth:`retain` every entry of one owner (a job's
+    uid, given to :meth:`start`) that belongs to another attempt than the current one, so an operator that sees many
+    jobs and restarts holds about one entry per live job. ``started`` keeps the last :data:`STARTED_KEEP` starts.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._calls: dict[str, CheckpointCall] = {}
-        self.started: list[tuple[str, float]] = []  # (key, time.monotonic()) for diagnostics and tests
+        self._owners: dict[str, tuple[str, str]] = {}  # key -> (owner, attempt), for the keys started with an owner
+        self._keys: dict[str, set[str]] = {}  # owner -> its keys (retain() looks at one job's entries only)
+        self._dropping: set[str] = set()  # in-flight keys retain() dropped: removed when their call ends
+        #: (key, time.monotonic()) of the latest starts, for diagnostics and tests; at most STARTED_KEEP.
+        self.started: collections.deque[tuple[str, float]] = collections.deque(maxlen=STARTED_KEEP)
 
-    def start(self, key: str, control: TrainerControl, wait_seconds: float, *, stop: bool = False) -> bool:
+    def __len__(self) -> int:
+        """Entries held (in flight, succeeded or failed), those :meth:`retain` marked and still in flight included."""
+        with self._lock:
+            return len(self._calls)
+
+    def start(self, key: str, control: TrainerControl, wait_seconds: float, *, stop: bool = False,
+              owner: str | None = None, attempt: str | None = None) -> bool:
         """Start a call (``POST /stop`` when ``stop``, else ``POST /checkpoint``, waiting up to ``wait_seconds``
         seconds for the trainer's step boundary, see :meth:`TrainerControl.checkpoint`) unless one is in flight or
-        done; True when a new call was started."""
+        done; True when a new call was started. ``owner`` (the job's uid) and ``attempt`` (its submission id;
+        default ``key``) are what :meth:`retain` matches; a call started without an owner is dropped only by
+        :meth:`forget`."""
         with self._lock:
             cur = self._calls.get(key)
             if cur is not None and (cur.in_flight or cur.step is not None):
                 return False
             placeholder = self._calls[key] = CheckpointCall(in_flight=True)
+            self._unown(key)
+            if owner is not None:
+                self._owners[key] = (owner, attempt if attempt is not None else key)
+                self._keys.setdefault(owner, set()).add(key)
             self.started.append((key, time.monotonic()))
 
         def run() -> None:
@@ -286,7 +312,10 @@ class CheckpointCalls:
                 result = CheckpointCall(error=str(exc))
             with self._lock:
                 if self._calls.get(key) is placeholder:  # else forgotten meanwhile (and maybe started again)
-                    self._calls[key] = result
+                    if key in self._dropping:  # retain() dropped it while in flight
+                        self._drop(key)
+                    else:
+                        self._calls[key] = result
             log.info("checkpoint call %s: %s", key, result)
 
         threading.Thread(target=run, name=f"checkpoint-{key}", daemon=True).start()
@@ -297,8 +326,37 @@ class CheckpointCalls:
         with self._lock:
             return self._calls.get(key or "", CheckpointCall())
 
+    def _unown(self, key: str) -> None:  # under self._lock
+        who, _ = self._owners.pop(key, (None, None))
+        if who is not None:
+            keys = self._keys[who]
+            keys.discard(key)
+            if not keys:
+                del self._keys[who]
+
+    def _drop(self, key: str) -> None:  # under self._lock
+        self._calls.pop(key, None)
+        self._unown(key)
+        self._dropping.discard(key)
+
     def forget(self, key: str) -> None:
         """Drop the record of ``key`` (the attempt is over). A call still in flight then records nothing when it
         ends (no entry kept for ever after a deletion whose trainer answered late)."""
         with self._lock:
-            self._calls.pop(key, None)
+            self._drop(key)
+
+    def retain(self, owner: str, keep: str | None) -> None:
+        """Drop every entry of ``owner`` (a job's uid) whose attempt is not ``keep`` (its current submission id;
+        ``None``: the job is gone, drop them all). An entry whose call is in flight is marked instead: it still
+        reads as in flight (so no second request goes to that trainer meanwhile) and is removed when its call ends.
+        A marked entry of the attempt kept again is unmarked. Entries of other owners and those started without an
+        owner are left alone."""
+        with self._lock:
+            for key in list(self._keys.get(owner, ())):
+                _, attempt = self._owners[key]
+                if keep is not None and attempt == keep:
+                    self._dropping.discard(key)
+                elif self._calls.get(key, CheckpointCall()).in_flight:
+                    self._dropping.add(key)
+                else:
+                    self._drop(key)

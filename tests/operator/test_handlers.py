@@ -617,6 +617,79 @@ def test_a_forgotten_checkpoint_call_records_nothing_when_it_ends_late() -> None
         trainer.close()
 
 
+class NoChildren:
+    """The Kubernetes API as a finalizer meets it for a job whose children are already gone: every GET answers
+    nothing, every DELETE is recorded (the real API answers 404, which KubeAPI.delete takes as done)."""
+
+    def __init__(self) -> None:
+        self.deleted: list[tuple[str, str]] = []
+
+    def get(self, key: str, namespace: str, name: str) -> None:
+        return None
+
+    def delete(self, key: str, namespace: str, name: str) -> None:
+        self.deleted.append((key.split("/")[-1], name))
+
+
+def _finished_calls(rt: Runtime, trainer: ControlTrainer, *started: tuple[str, str, str]) -> None:
+    """Start one real background call per ``(key, owner, attempt)`` against ``trainer`` and wait until all ended."""
+    from fake_kuberay import wait_for
+
+    from daedalus_operator.submit import TrainerControl
+
+    control = TrainerControl(f"http://127.0.0.1:{trainer.port}", token="tok", timeout=2.0)
+    for key, owner, attempt in started:
+        assert rt.calls.start(key, control, 5.0, owner=owner, attempt=attempt)
+    wait_for(lambda: not any(rt.calls.get(k).in_flight for k, _, _ in started), timeout=10, interval=0.02,
+             message="the calls to end")
+
+
+def test_gather_keeps_only_the_current_attempts_checkpoint_calls() -> None:
+    """A job on attempt 2: the entry of attempt 1's checkpoint call is dropped on the next reconcile's gather (it is
+    never read again); attempt 2's stays and is what the planner sees; another job's entry is untouched."""
+    from daedalus_operator.plan import CheckpointCall
+
+    uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+    trainer = ControlTrainer(*[(200, {"step": n, "path": f"/c/{n}"}) for n in (4, 8, 9)])
+    try:
+        rt = _rt()
+        _finished_calls(rt, trainer, ("local-tiny-0f1e2d3c-a1", uid, "local-tiny-0f1e2d3c-a1"))
+        _finished_calls(rt, trainer, ("local-tiny-0f1e2d3c-a2", uid, "local-tiny-0f1e2d3c-a2"))
+        _finished_calls(rt, trainer, ("other-a1", "uid-other", "other-a1"))  # one at a time: the answers in order
+        doc = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
+        doc["metadata"].update(namespace="ml", uid=uid, generation=1)
+        doc["status"] = {"phase": "Running", "attempt": 2, "submissionId": "local-tiny-0f1e2d3c-a2",
+                         "submissionConfirmed": True, "attemptStartTime": "2026-01-01T00:00:00Z"}
+        indexes = {"pods_by_job": None, "nodes_by_name": None, "clusters_by_job": None, "services_by_job": None}
+        observed = gather(rt, job_view(doc), indexes)
+        assert rt.calls.get("local-tiny-0f1e2d3c-a1") == CheckpointCall()
+        assert observed.checkpoint_call.step == 8 and rt.calls.get("other-a1").step == 9 and len(rt.calls) == 2
+    finally:
+        trainer.close()
+
+
+def test_finalizing_a_job_drops_all_its_checkpoint_calls() -> None:
+    """The finalizer's release drops every entry of the job: earlier attempts', the current one's and the checkpoint
+    before deletion's (before, only the current attempt's two were forgotten, so earlier attempts' stayed for ever)."""
+    from daedalus_operator.handlers import deletion_checkpoint_key, finalize
+
+    uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+    sid = "local-tiny-0f1e2d3c-a2"
+    trainer = ControlTrainer(*[(200, {"step": n, "path": f"/c/{n}"}) for n in (1, 2, 3, 4)])
+    try:
+        rt = Runtime(settings=OperatorSettings(request_timeout=1.0), metrics=OperatorMetrics())
+        rt.kube = NoChildren()
+        _finished_calls(rt, trainer, ("local-tiny-0f1e2d3c-a1", uid, "local-tiny-0f1e2d3c-a1"), (sid, uid, sid),
+                        (deletion_checkpoint_key(sid), uid, sid), ("other-a1", "uid-other", "other-a1"))
+        body = _deleted_body("Succeeded")
+        body["status"].update(attempt=2, submissionId=sid)
+        finalize(rt, body, logging.getLogger("test"))
+        assert ("rayclusters", "local-tiny-ray") in rt.kube.deleted
+        assert len(rt.calls) == 1 and rt.calls.get("other-a1").step is not None
+    finally:
+        trainer.close()
+
+
 def test_missing_workers_are_counted_against_the_raycluster_not_an_edited_spec() -> None:
     """The job's worker group is scaled from 1 to 2 replicas while attempt 1 runs on a RayCluster built with 1 (the
     operator never patches it). gather compares the pods with what that RayCluster asks for: head + 1 worker, both

@@ -161,3 +161,133 @@ def test_control_client_against_standin_trainer(ray_head, tmp_path: Path) -> Non
     assert wait_state(jobs, sid, {RayJobState.STOPPED, RayJobState.FAILED, RayJobState.SUCCEEDED}) in (
         RayJobState.STOPPED, RayJobState.FAILED)
     assert not TrainerControl(f"http://127.0.0.1:{port}").status().reachable
+
+
+# ------------------------------------------------------------------------------------------ CheckpointCalls memory
+class HeldTrainer:
+    """A trainer's control port on a real loopback HTTP server: each ``POST`` is recorded and answered 200 with
+    ``{"step": n, "path": "/c/n"}`` (n: its 1-based order) once :attr:`gate` is set (set at first)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.seen: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's hook
+                outer.seen.append(self.path.split("?")[0])
+                n = len(outer.seen)
+                outer.gate.wait(30)
+                body = json.dumps({"step": n, "path": f"/c/{n}"}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.control = TrainerControl(f"http://127.0.0.1:{self.server.server_address[1]}", token="t", timeout=2.0)
+
+    def close(self) -> None:
+        self.gate.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _settled(calls: CheckpointCalls, *keys: str) -> None:
+    from fake_kuberay import wait_for
+
+    wait_for(lambda: not any(calls.get(k).in_flight for k in keys), timeout=10, interval=0.02,
+             message=f"calls {keys} to end")
+
+
+def test_retain_drops_the_other_attempts_of_one_owner_only() -> None:
+    from daedalus_operator.plan import CheckpointCall
+
+    trainer = HeldTrainer()
+    try:
+        calls = CheckpointCalls()
+        started = [calls.start("j-a1", trainer.control, 5, owner="uid-j"),
+                   calls.start("j-a2", trainer.control, 5, owner="uid-j"),
+                   calls.start("j-a2/deletion", trainer.control, 5, stop=True, owner="uid-j", attempt="j-a2"),
+                   calls.start("k-a1", trainer.control, 5, owner="uid-k"),
+                   calls.start("free", trainer.control, 5)]
+        assert started == [True] * 5
+        _settled(calls, "j-a1", "j-a2", "j-a2/deletion", "k-a1", "free")
+        assert len(calls) == 5 and sorted(calls.get(k).step for k in (
+            "j-a1", "j-a2", "j-a2/deletion", "k-a1", "free")) == [1, 2, 3, 4, 5]
+        calls.retain("uid-j", "j-a2")  # the job moved on to attempt 2: attempt 1's entry goes, both of 2's stay
+        assert calls.get("j-a1") == CheckpointCall() and len(calls) == 4
+        assert calls.get("j-a2").step is not None and calls.get("j-a2/deletion").step is not None
+        calls.retain("uid-j", None)  # the job is gone
+        assert calls.get("j-a2") == CheckpointCall() and calls.get("j-a2/deletion") == CheckpointCall()
+        assert calls.get("k-a1").step is not None and calls.get("free").step is not None and len(calls) == 2
+        calls.retain("uid-k", None)
+        assert len(calls) == 1 and calls.get("free").step is not None  # no owner: only forget() drops it
+        assert len(trainer.seen) == 5  # one request per start, none repeated
+    finally:
+        trainer.close()
+
+
+def test_retain_marks_a_call_in_flight_and_removes_it_when_it_ends() -> None:
+    """Two real calls in flight at once (the trainer holds its answers): the one of the earlier attempt is not dropped
+    while it runs (so it still reads as in flight and no second request goes to the trainer), and is removed once its
+    answer came; the current attempt's call records its answer. A marked call whose attempt is kept again is
+    recorded as usual."""
+    from fake_kuberay import wait_for
+
+    from daedalus_operator.plan import CheckpointCall
+
+    trainer = HeldTrainer()
+    trainer.gate.clear()
+    try:
+        calls = CheckpointCalls()
+        assert calls.start("j-a1", trainer.control, 5, owner="uid")
+        assert calls.start("j-a2", trainer.control, 5, owner="uid")
+        wait_for(lambda: len(trainer.seen) == 2, timeout=10, interval=0.02, message="both requests")
+        calls.retain("uid", "j-a2")
+        calls.retain("uid", "j-a2")  # as every reconcile does
+        assert calls.get("j-a1").in_flight and len(calls) == 2
+        assert not calls.start("j-a1", trainer.control, 5, owner="uid")  # still in flight: not asked twice
+        trainer.gate.set()
+        _settled(calls, "j-a1", "j-a2")
+        assert calls.get("j-a1") == CheckpointCall()  # removed when its call ended
+        assert calls.get("j-a2").step in (1, 2) and calls.get("j-a2").error is None and len(calls) == 1
+        assert len(trainer.seen) == 2
+
+        trainer.gate.clear()
+        assert calls.start("j-a3", trainer.control, 5, owner="uid")
+        wait_for(lambda: len(trainer.seen) == 3, timeout=10, interval=0.02, message="the third request")
+        calls.retain("uid", "j-a4")  # marked (and j-a2, finished, dropped at once)
+        assert calls.get("j-a2") == CheckpointCall() and calls.get("j-a3").in_flight
+        calls.retain("uid", "j-a3")  # the status said j-a3 after all: kept
+        trainer.gate.set()
+        _settled(calls, "j-a3")
+        assert calls.get("j-a3") == CheckpointCall(step=3, path="/c/3") and len(calls) == 1
+    finally:
+        trainer.close()
+
+
+def test_started_keeps_the_latest_256_starts() -> None:
+    from ray_head import free_port
+
+    from daedalus_operator.submit import STARTED_KEEP
+
+    calls = CheckpointCalls()
+    nobody = TrainerControl(f"http://127.0.0.1:{free_port()}", timeout=1.0)  # refused at once
+    keys = [f"k-{i}" for i in range(300)]
+    for key in keys:
+        assert calls.start(key, nobody, 1, owner="uid")
+    _settled(calls, *keys)
+    assert STARTED_KEEP == 256 and [k for k, _ in calls.started] == keys[-256:]
+    assert all(calls.get(k).http_status == 0 for k in keys) and len(calls) == 300
+    calls.retain("uid", None)
+    assert len(calls) == 0
