@@ -1097,8 +1097,9 @@ def deletion_checkpoint_bound(checkpoint_timeout: float, deletion_timeout: float
 def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     """Checkpoint a running trainer (:func:`checkpoint_before_deletion`), stop the Ray job, delete every child; give
     up (and let kopf release the finalizer) after ``deletion_timeout`` seconds from ``deletionTimestamp``. The job's
-    records in this process are dropped: its token, poll gate and children on every pass, its checkpoint calls (of
-    every attempt; one in flight when it ends) and metrics series on release.
+    records in this process are dropped: its token, poll gate, children and the Ray client of its RayCluster's
+    dashboard on every pass, its checkpoint calls (of every attempt; one in flight when it ends), unreadable-status
+    record and metrics series on release.
 
     The checkpoint's outcome is logged, and for a job whose trainer was running posted as an event
     (``CheckpointedBeforeDeletion`` with the step, or Warning ``NoCheckpointBeforeDeletion`` with the reason), once
@@ -1156,6 +1157,9 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
             rt.ray_jobs(cluster.dashboard_url).stop(sid)
         except (RayUnreachable, RuntimeError) as e:
             problems.append(f"stop {sid}: {e}")
+    if cluster.dashboard_url:  # this job's Ray client (its RayCluster goes now; a retry of this handler makes another)
+        with rt.guard:
+            rt.ray.pop(cluster.dashboard_url, None)
     for key, child in ((kube.RAYSERVICES, api.rayservice_name(name)), (kube.RAYCLUSTERS, api.raycluster_name(name)),
                        (kube.NETWORKPOLICIES, api.network_policy_name(name)),
                        (kube.CONFIGMAPS, api.config_map_name(name)), (kube.SECRETS, api.secret_name(name))):
@@ -1174,6 +1178,7 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     with rt.guard:
         rt.deleting.pop(uid, None)
         rt.deletion_checkpoints.pop(uid, None)
+        rt.unreadable.pop(meta.get("uid", ""), None)
     rt.calls.retain(meta.get("uid", ""), None)  # every attempt's entries (a call in flight: when it ends)
     if problems:
         logger.warning(f"releasing the finalizer after {waited:.0f} s despite: {'; '.join(problems)}")

@@ -618,14 +618,16 @@ def test_a_forgotten_checkpoint_call_records_nothing_when_it_ends_late() -> None
 
 
 class NoChildren:
-    """The Kubernetes API as a finalizer meets it for a job whose children are already gone: every GET answers
-    nothing, every DELETE is recorded (the real API answers 404, which KubeAPI.delete takes as done)."""
+    """The Kubernetes API as a finalizer meets it for a job whose children are gone or going: a GET answers
+    ``cluster`` for the RayCluster (``None``: gone) and nothing else, every DELETE is recorded (the real API answers
+    404 for a missing child, which KubeAPI.delete takes as done)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster: dict | None = None) -> None:
         self.deleted: list[tuple[str, str]] = []
+        self.cluster = cluster
 
-    def get(self, key: str, namespace: str, name: str) -> None:
-        return None
+    def get(self, key: str, namespace: str, name: str) -> dict | None:
+        return self.cluster if key.endswith("/rayclusters") else None
 
     def delete(self, key: str, namespace: str, name: str) -> None:
         self.deleted.append((key.split("/")[-1], name))
@@ -688,6 +690,24 @@ def test_finalizing_a_job_drops_all_its_checkpoint_calls() -> None:
         assert len(rt.calls) == 1 and rt.calls.get("other-a1").step is not None
     finally:
         trainer.close()
+
+
+def test_finalizing_a_job_drops_its_ray_client_and_unreadable_status_record() -> None:
+    """Runtime.ray (Ray clients by dashboard URL) and Runtime.unreadable (the last StatusUnreadable report by uid)
+    lose the deleted job's entries; other jobs' stay."""
+    from daedalus_operator.handlers import finalize
+
+    uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+    cluster = {"metadata": {"name": "local-tiny-ray", "namespace": "ml", "deletionTimestamp": "2026-01-01T00:00:01Z"},
+               "status": {"state": "ready", "head": {"serviceIP": "10.0.0.5"}}}
+    rt = Runtime(settings=OperatorSettings(request_timeout=1.0), metrics=OperatorMetrics())
+    rt.kube = NoChildren(cluster)
+    mine, other = rt.ray_jobs("http://10.0.0.5:8265"), rt.ray_jobs("http://10.0.0.6:8265")
+    assert mine is not other  # (clients are made lazily: no request to either address)
+    rt.unreadable.update({uid: "41", "uid-other": "7"})
+    finalize(rt, _deleted_body("Succeeded"), logging.getLogger("test"))
+    assert list(rt.ray) == ["http://10.0.0.6:8265"] and rt.ray["http://10.0.0.6:8265"] is other
+    assert rt.unreadable == {"uid-other": "7"}
 
 
 def test_missing_workers_are_counted_against_the_raycluster_not_an_edited_spec() -> None:
