@@ -168,9 +168,11 @@ class Learner:
         return self.policy.adapter_state()
 
     def adapter_config(self) -> dict[str, Any]:
-        """The PEFT ``adapter_config.json`` content of the adapter."""
-        cfg = self.policy.model.peft_config["default"].to_dict()
-        return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+        """The PEFT ``adapter_config.json`` content of the adapter (:func:`~daedalus_trainer.policy.
+        adapter_config_dict`)."""
+        from daedalus_trainer.policy import adapter_config_dict
+
+        return adapter_config_dict(self.policy.model.peft_config["default"])
 
     def checkpoint_state(self, packed: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """``(adapter tensors, adapter config, optimizer state_dict)`` for :class:`~daedalus_trainer.checkpoint.
