@@ -14,10 +14,13 @@ from daedalus_trainer import prompts, tiny
 from daedalus_trainer.envs import maze_from_seed, render_rgb
 from daedalus_trainer.policy import (
     TokenSequence,
+    adapter_config_dict,
     check_lora_targets,
     load_policy,
     load_pretrained,
+    lora_config,
     resolve_base_dir,
+    resolve_start,
 )
 from daedalus_trainer.rollout.engine import SamplingParams, TransformersEngine
 
@@ -209,6 +212,47 @@ def test_adapter_save_and_state_reload_are_exact(tiny_checkpoint, tmp_path):
     assert torch.equal(lps[0], lps[1]) and torch.equal(lps[0], lps[2])
     with pytest.raises(ValueError, match="no adapter attached"):
         load_pretrained(tiny_checkpoint, "float32", "cpu").load_adapter(a.adapter_state())
+
+
+def test_adapter_config_dict_of_lora_config_is_the_attached_adapters_and_what_peft_writes(tiny_checkpoint, tmp_path):
+    """``lora_config(spec.lora)`` is the config ``add_lora`` attaches (a vLLM engine, which never loads the model in
+    torch, writes it next to the adapter tensors it receives), and ``adapter_config_dict`` is the file peft writes,
+    but for what peft's ``save_pretrained`` sets itself (inference mode, the model class's auto mapping) or orders by
+    set iteration (targets)."""
+    policy = load_pretrained(tiny_checkpoint, "float32", "cpu")
+    policy.add_lora(LORA)
+    attached = adapter_config_dict(policy.model.peft_config["default"])
+    assert adapter_config_dict(lora_config(LORA, base_model_name_or_path=str(tiny_checkpoint))) == attached
+    assert attached["r"] == 8 and attached["lora_alpha"] == 16.0 and attached["bias"] == "none"
+    assert attached["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert attached["base_model_name_or_path"] == str(tiny_checkpoint) and attached["peft_type"] == "LORA"
+    written = json.loads((policy.save_adapter(tmp_path / "adapter") / "adapter_config.json").read_text())
+    assert written.pop("inference_mode") is True and attached.pop("inference_mode") is False
+    assert written.pop("auto_mapping")["base_model_class"] == "Qwen3VLForConditionalGeneration"
+    assert attached.pop("auto_mapping") is None
+    written["target_modules"] = sorted(written["target_modules"])
+    assert json.loads(json.dumps(attached)) == written
+
+
+def test_resolve_start_locates_base_and_adapter_as_load_policy_loads_them(tiny_checkpoint, tmp_path):
+    job = make_tiny_job()
+    fresh = resolve_start(job.spec.model, tmp_path)  # no start: the tiny base, built here, and a fresh adapter
+    assert fresh.base_dir == tmp_path / "tiny-base" and fresh.adapter_dir is None
+    assert (fresh.base_dir / "config.json").is_file()
+    full = job.spec.model.model_copy(update={"sft_adapter": str(tiny_checkpoint)})
+    assert resolve_start(full, tmp_path / "unused") == type(fresh)(tiny_checkpoint, None)  # a full model replaces it
+    assert not (tmp_path / "unused").exists()
+    a = load_pretrained(tiny_checkpoint, "float32", "cpu")
+    a.add_lora(LORA)
+    adapter = a.save_adapter(tmp_path / "sft-adapter")
+    on_base = job.spec.model.model_copy(update={"sft_adapter": str(adapter), "path": str(tiny_checkpoint)})
+    start = resolve_start(on_base)
+    assert start.base_dir == tiny_checkpoint and start.adapter_dir == adapter
+    policy = load_policy(on_base, job.spec.lora, device="cpu")
+    assert policy.path == start.base_dir and policy.has_adapter
+    assert policy.model.peft_config["default"].r == 8  # the adapter's own rank, loaded on that base
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_start(job.spec.model.model_copy(update={"sft_adapter": str(tmp_path / "gone")}))
 
 
 def test_a_mismatched_adapter_state_is_refused_before_any_weight_changes(tiny_checkpoint):

@@ -1,7 +1,8 @@
 """The two roles of a GRPO step, as plain classes that Ray turns into actors.
 
 - :class:`RolloutWorker` owns a rollout engine and environments and returns plain trajectory records
-  (:class:`~daedalus_trainer.rollout.episode.Trajectory`); it holds no learning logic.
+  (:class:`~daedalus_trainer.rollout.episode.Trajectory`); it holds no learning logic. Its engine is transformers
+  generation or vLLM, as ``algorithm.rolloutEngine`` and the worker's machine decide (:func:`resolve_rollout_engine`).
 - :class:`Learner` owns the trainable policy (LoRA on the frozen base) and the AdamW optimizer; it turns trajectories
   into one optimizer step with :func:`~daedalus_trainer.grpo.group_advantages` and
   :func:`~daedalus_trainer.grpo.grpo_loss`.
@@ -13,6 +14,8 @@ unknowingly. Both classes also work without Ray (tests construct them directly).
 
 from __future__ import annotations
 
+import importlib
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -24,6 +27,102 @@ import torch
 
 from daedalus_trainer.checkpoint import pack_tensors, unpack_tensors
 from daedalus_trainer.config import RLTrainingJob
+
+
+log = logging.getLogger("daedalus.actors")
+
+#: Fraction of a rollout worker's GPU share that vLLM's ``gpu_memory_utilization`` takes (0.9 x the actor's Ray
+#: ``num_gpus``). vLLM pre-allocates that fraction of the whole GPU's memory for weights, activations and KV cache,
+#: while memory outside its accounting (the CUDA context, NCCL and allocator fragmentation, ~0.5-1 GiB a process)
+#: comes on top; with the learner on the same GPU (:func:`daedalus_trainer.grpo.actor_layout` gives it half of a
+#: single GPU) taking the whole share would leave the two processes nothing for that overhead. vLLM's own default is
+#: the same 0.9 of a GPU it has to itself. Not measured here (no GPU).
+VLLM_SHARE_FRACTION = 0.9
+#: The values of ``algorithm.rolloutEngine`` and the engines they resolve to.
+ROLLOUT_ENGINES = ("auto", "transformers", "vllm")
+
+
+class RolloutEngineUnavailable(RuntimeError):
+    """``algorithm.rolloutEngine: vllm`` on a rollout worker that cannot run vLLM; the message says why (no CUDA GPU
+    visible, no GPU share for the actor, vLLM not importable) and how to go on."""
+
+
+@dataclass(frozen=True)
+class EngineProbe:
+    """What a rollout worker's process offers an engine.
+
+    Attributes:
+        cuda: a CUDA GPU is visible (``torch.cuda.is_available()``; in a Ray actor, the GPUs Ray assigned it).
+        vllm_error: why ``import vllm`` failed (``"ModuleNotFoundError: No module named 'vllm'"``), or None when it
+            imports.
+    """
+
+    cuda: bool
+    vllm_error: str | None
+
+    @classmethod
+    def here(cls) -> "EngineProbe":
+        """Probe this process. ``import vllm`` is tried only where a CUDA GPU is visible (elsewhere vLLM is not
+        used whatever it would answer, and importing it costs seconds)."""
+        cuda = torch.cuda.is_available()
+        return cls(cuda, vllm_import_error() if cuda else "not tried: no CUDA GPU")
+
+
+def vllm_import_error() -> str | None:
+    """None when ``import vllm`` succeeds in this process, else the error as ``"<type>: <message>"`` (vLLM missing,
+    or a build that fails to load, e.g. its CUDA libraries)."""
+    try:
+        importlib.import_module("vllm")
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def resolve_rollout_engine(requested: str, gpu_share: float, probe: EngineProbe, top_p: float = 1.0
+                           ) -> tuple[str, str]:
+    """The engine a rollout worker uses, and why.
+
+    ``auto`` is ``vllm`` when a CUDA GPU is visible, the actor holds a share of it (``gpu_share`` > 0: Ray's
+    ``num_gpus``), vLLM imports and ``top_p`` is 1 (vLLM's log-probs with ``top_p < 1`` are not the policy's,
+    :func:`daedalus_trainer.rollout.vllm_engine.check_sampling`); else ``transformers``. ``transformers`` is always
+    itself. ``vllm`` is ``vllm`` or an error.
+
+    Args:
+        requested: ``algorithm.rolloutEngine``: ``auto``, ``transformers`` or ``vllm``.
+        gpu_share: the actor's GPUs (Ray ``num_gpus``, a fraction of one GPU when it shares it).
+        probe: what the worker's process offers (:meth:`EngineProbe.here`).
+        top_p: ``algorithm.topP`` (the API already refuses ``vllm`` with ``topP`` < 1).
+
+    Returns:
+        ``(engine, reason)``: ``"transformers"`` or ``"vllm"``, and a short reason for the log.
+
+    Raises:
+        RolloutEngineUnavailable: ``vllm`` requested where it cannot run; every missing condition is named.
+        ValueError: ``requested`` is none of :data:`ROLLOUT_ENGINES`.
+    """
+    if requested not in ROLLOUT_ENGINES:
+        raise ValueError(f"unknown rollout engine {requested!r}; use one of {', '.join(ROLLOUT_ENGINES)}")
+    if requested == "transformers":
+        return "transformers", "algorithm.rolloutEngine is transformers"
+    missing = []
+    if not probe.cuda:
+        missing.append("no CUDA GPU is visible to the rollout worker")
+    if not gpu_share > 0:
+        missing.append("the rollout worker holds no GPU share (Ray num_gpus 0: the cluster has no GPU for it)")
+    if probe.cuda and probe.vllm_error is not None:
+        missing.append(f"vLLM is not installed or does not import ({probe.vllm_error}; the trainer image's gpu "
+                       "extra installs it)")
+    if requested == "vllm":
+        if missing:
+            raise RolloutEngineUnavailable(
+                "algorithm.rolloutEngine is vllm but this rollout worker cannot run vLLM: " + "; ".join(missing)
+                + ". Run on GPU workers with the trainer image, or set rolloutEngine to auto or transformers")
+        return "vllm", "algorithm.rolloutEngine is vllm"
+    if missing:
+        return "transformers", "auto: " + "; ".join(missing)
+    if top_p != 1:
+        return "transformers", f"auto: algorithm.topP {top_p:g} < 1, which vLLM's log-probs do not support"
+    return "vllm", f"auto: CUDA GPU visible, GPU share {gpu_share:g}, vLLM imports"
 
 
 def _job(job: RLTrainingJob | dict) -> RLTrainingJob:
@@ -58,17 +157,58 @@ class RolloutWorker:
         job: the RLTrainingJob (model or dict).
         start_dir: SFT starting point (full model or PEFT adapter directory), or None for the base model.
         work_dir: where the tiny base model lives / is built.
-        max_batch: conversations per generate call.
+        max_batch: conversations per generate call (transformers engine).
+        gpu_share: the GPUs Ray gave this actor (its ``num_gpus``; a fraction when it shares one GPU); 0 on CPU.
+        probe: what this process offers an engine; default :meth:`EngineProbe.here` (tests pass their own).
+
+    The engine (:attr:`rollout_engine`) follows ``algorithm.rolloutEngine`` (:func:`resolve_rollout_engine`) and is
+    logged. Transformers: the training policy loaded here (:func:`load_training_policy`), as before ``rolloutEngine``
+    existed. vLLM: the base checkpoint of :func:`daedalus_trainer.policy.resolve_start` served by
+    :class:`~daedalus_trainer.rollout.vllm_engine.VLLMEngine` with ``gpu_memory_utilization`` =
+    :data:`VLLM_SHARE_FRACTION` x ``gpu_share``, the published adapters written with the start adapter's
+    ``adapter_config.json`` (a PEFT ``model.sftAdapter``) or that of a fresh ``spec.lora`` adapter.
+
+    Raises:
+        RolloutEngineUnavailable: ``rolloutEngine: vllm`` where vLLM cannot run (the actor's creation fails with it).
     """
 
-    def __init__(self, job: RLTrainingJob | dict, start_dir: str | None, work_dir: str, max_batch: int = 64):
+    def __init__(self, job: RLTrainingJob | dict, start_dir: str | None, work_dir: str, max_batch: int = 64,
+                 gpu_share: float = 0.0, probe: EngineProbe | None = None):
         from daedalus_trainer.rollout.engine import TransformersEngine
 
         torch.set_num_threads(1)
         self.job = _job(job)
-        policy = load_training_policy(self.job, start_dir, work_dir, seed=self.job.spec.algorithm.seed)
-        self.engine = TransformersEngine(policy, max_batch=max_batch)
+        algo = self.job.spec.algorithm
+        engine, reason = resolve_rollout_engine(algo.rollout_engine, gpu_share, probe or EngineProbe.here(),
+                                                algo.top_p)
+        #: ``"transformers"`` or ``"vllm"``: the engine this worker samples with.
+        self.rollout_engine = engine
+        log.info("rollout worker: %s engine (%s)", engine, reason)
+        if engine == "vllm":
+            self.engine = self._vllm_engine(start_dir, work_dir, gpu_share)
+        else:
+            policy = load_training_policy(self.job, start_dir, work_dir, seed=algo.seed)
+            self.engine = TransformersEngine(policy, max_batch=max_batch)
         self.loaded_version = -1
+
+    def _vllm_engine(self, start_dir: str | None, work_dir: str, gpu_share: float):
+        """The :class:`~daedalus_trainer.rollout.vllm_engine.VLLMEngine` of this job (see the class docstring)."""
+        from daedalus_trainer.policy import adapter_config_dict, lora_config, read_adapter_config, resolve_start
+        from daedalus_trainer.rollout.vllm_engine import VLLMEngine
+
+        spec = self.job.spec
+        start = resolve_start(_start_model_spec(self.job, start_dir), work_dir)
+        if start.adapter_dir is not None:  # GRPO trains the SFT adapter further: its config is the published one's
+            config = read_adapter_config(start.adapter_dir)
+        else:
+            config = adapter_config_dict(lora_config(spec.lora, base_model_name_or_path=str(start.base_dir)))
+        return VLLMEngine(start.base_dir, history_turns=spec.environment.history_turns, adapter_config=config,
+                          dtype=spec.model.dtype, gpu_memory_utilization=VLLM_SHARE_FRACTION * gpu_share,
+                          seed=spec.algorithm.seed)
+
+    def engine_name(self) -> str:
+        """:attr:`rollout_engine` (a Ray actor's attributes are reached through methods)."""
+        return self.rollout_engine
 
     def rollout(self, mazes: Sequence[Any], seed: int, adapter: dict[str, Any], version: int) -> list[Any]:
         """One episode per maze with adapter ``version`` (loaded first if new; tensors or
@@ -168,9 +308,11 @@ class Learner:
         return self.policy.adapter_state()
 
     def adapter_config(self) -> dict[str, Any]:
-        """The PEFT ``adapter_config.json`` content of the adapter."""
-        cfg = self.policy.model.peft_config["default"].to_dict()
-        return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+        """The PEFT ``adapter_config.json`` content of the adapter (:func:`~daedalus_trainer.policy.
+        adapter_config_dict`)."""
+        from daedalus_trainer.policy import adapter_config_dict
+
+        return adapter_config_dict(self.policy.model.peft_config["default"])
 
     def checkpoint_state(self, packed: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """``(adapter tensors, adapter config, optimizer state_dict)`` for :class:`~daedalus_trainer.checkpoint.

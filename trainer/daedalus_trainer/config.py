@@ -208,6 +208,13 @@ class AlgorithmSpec(_Model):
     eval_interval_steps: int = Field(0, ge=0, strict=True)
     """Greedy evaluation on the held-out mazes every N steps (metric `daedalus_eval_success_ratio`); 0: only after
     the last step."""
+    rollout_engine: Literal["auto", "transformers", "vllm"] = "auto"
+    """Inference engine of the rollout workers. `auto`: vLLM where the worker sees a CUDA GPU, holds a share of it
+    and can import vLLM, and `topP` is 1; transformers generation otherwise (always on CPU). `transformers`: always
+    transformers. `vllm`: always vLLM; a worker without a GPU or without vLLM fails at start with the reason, and
+    `topP` must be 1 (vLLM reports the log-probs of the top-p truncated distribution, not the policy's that the
+    learner's importance ratio compares them with). Each worker logs the engine it uses; checkpoints record it.
+    The vLLM path has not yet run on a real GPU."""
 
     @field_validator("loss_aggregation", mode="before")
     @classmethod
@@ -857,6 +864,16 @@ CEL_RULES: list[CelRule] = [
         "algorithm.miniBatches must divide algorithm.mazesPerStep (each mini-batch holds whole groups)",
         lambda s: s.algorithm.mazes_per_step % s.algorithm.mini_batches == 0,
         field_path=".miniBatches",
+    ),
+    CelRule(
+        "spec.algorithm",
+        # double(): a topP written as the integer 1 is an int to a CEL interpreter that does not apply the schema's
+        # number type, and CEL has no int == double overload
+        "self.rolloutEngine != 'vllm' || double(self.topP) == 1.0",
+        "algorithm.rolloutEngine vllm needs algorithm.topP 1: vLLM reports the log-probs of the top-p truncated "
+        "distribution, not the policy's the learner compares them with (use topP 1, or rolloutEngine transformers)",
+        lambda s: s.algorithm.rollout_engine != "vllm" or s.algorithm.top_p == 1,
+        field_path=".topP",
     ),
     CelRule(
         "spec.lora",

@@ -446,7 +446,9 @@ class Trainer:
         layout = actor_layout(_gpus_available(), self.rollout_workers)
         job = self.job.model_dump(by_alias=True, mode="json")
         learner = ray.remote(Learner).options(**layout.learner).remote(job, self.start_dir, str(self.work_dir))
-        workers = [ray.remote(RolloutWorker).options(**layout.worker).remote(job, self.start_dir, str(self.work_dir))
+        share = float(layout.worker.get("num_gpus", 0.0))
+        workers = [ray.remote(RolloutWorker).options(**layout.worker).remote(job, self.start_dir, str(self.work_dir),
+                                                                            gpu_share=share)
                    for _ in range(layout.workers)]
         return learner, workers
 
@@ -515,6 +517,11 @@ class Trainer:
         from daedalus_trainer.metrics import StepStats
 
         algo, ck = self.job.spec.algorithm, self.job.spec.checkpoint
+        # Each worker chose its engine as it started (algorithm.rolloutEngine; RolloutEngineUnavailable fails the
+        # actor's creation, and so this call, before any step). One name when they agree, else one per worker.
+        engines = ray.get([w.engine_name.remote() for w in workers])
+        rollout_engine: str | list[str] = engines[0] if len(set(engines)) == 1 else engines
+        log.info("rollout engine: %s (%d workers)", rollout_engine, len(workers))
 
         history: list[dict[str, Any]] = []
         step = 0
@@ -535,6 +542,11 @@ class Trainer:
                 log.warning("resumed with %d rollout workers where the checkpoint's run had %s: the mazes of every "
                             "step are the same, the sampled tokens are not (each worker samples its batch under its "
                             "own seed), so the run continues, but not bit-for-bit", len(workers), before)
+            before_engine = loaded.trainer_state.extra.get("rollout_engine")
+            if before_engine is not None and before_engine != rollout_engine:
+                log.warning("resumed with the %s rollout engine where the checkpoint's run used %s: both sample the "
+                            "same policy, with other random draws, so the run continues, but not bit-for-bit",
+                            rollout_engine, before_engine)
         resumed_from = step if loaded is not None else None
 
         # The requests each queued save answers: those received before it was queued (a request that arrives while
@@ -561,7 +573,8 @@ class Trainer:
             # sampler state is the step; the global RNG states are recorded for completeness.
             state = TrainerState(sampler={"seed": algo.seed, "next_step": step_now}, rng=capture_rng_state(),
                                  metric_history=list(history),
-                                 extra={"rollout_workers": len(workers), "identity": self._identity})
+                                 extra={"rollout_workers": len(workers), "rollout_engine": rollout_engine,
+                                        "identity": self._identity})
             covers[step_now] = self.control.request_seq()
             checkpointer.save(step_now, learner, state)
             saved_step = step_now
@@ -654,9 +667,12 @@ class Trainer:
 
 
 #: ``algorithm`` fields a GRPO run may change and still continue from its checkpoint (:func:`check_same_run`): its
-#: length (a raised ``steps`` trains on; the cosine schedule then follows the new length) and the cadence of its
-#: held-out evaluations.
-RESUMABLE_ALGORITHM_FIELDS = ("steps", "evalIntervalSteps")
+#: length (a raised ``steps`` trains on; the cosine schedule then follows the new length), the cadence of its
+#: held-out evaluations, and the rollout engine: both engines sample the same policy with the log-probs the learner
+#: computes (vLLM only with ``topP`` 1, which the API enforces), so a checkpoint continues under either, as it does
+#: under another worker count; ``auto`` may resolve differently on another cluster anyway. The resolved engine is
+#: kept in ``TrainerState.extra["rollout_engine"]`` and a resume under another one is logged as not bit-for-bit.
+RESUMABLE_ALGORITHM_FIELDS = ("steps", "evalIntervalSteps", "rolloutEngine")
 
 
 def run_identity(job: Any, start_dir: str | None) -> dict[str, Any]:

@@ -214,17 +214,12 @@ class Policy:
             ValueError: a target that matches a vision-tower module or no module at all (see
                 :func:`check_lora_targets`), or an adapter is already attached.
         """
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
         if self.has_adapter:
             raise ValueError("a LoRA adapter is already attached")
-        targets = list(lora.target_modules)
-        check_lora_targets(self.model, targets)
-        config = LoraConfig(
-            r=int(lora.rank), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
-            target_modules=targets, bias="none",
-        )
-        self.model = get_peft_model(self.model, config)
+        check_lora_targets(self.model, list(lora.target_modules))
+        self.model = get_peft_model(self.model, lora_config(lora))
 
     def load_adapter(self, path_or_state: str | Path | dict[str, torch.Tensor], trainable: bool = True) -> None:
         """Load adapter weights: a PEFT adapter directory, or a state dict from :meth:`adapter_state`.
@@ -841,6 +836,68 @@ def check_model_paths(model_spec: Any) -> None:
         "model.tiny for the CPU model")
 
 
+@dataclass(frozen=True)
+class Start:
+    """Where a job's starting policy comes from (:func:`resolve_start`).
+
+    Attributes:
+        base_dir: the checkpoint directory (``config.json``) the base weights are read from: ``model.sftAdapter``
+            when it is a full model (the tiny SFT run is a full fine-tune), else the base model
+            (:func:`resolve_base_dir`).
+        adapter_dir: ``model.sftAdapter`` when it is a PEFT adapter directory (``adapter_config.json``), loaded on
+            top of ``base_dir`` and trained further; None when training starts from a fresh adapter.
+    """
+
+    base_dir: Path
+    adapter_dir: Path | None
+
+
+def resolve_start(model_spec: Any, work_dir: str | Path | None = None) -> Start:
+    """Locate the starting policy of ``model_spec`` (``ModelSpec``-like: ``path``, ``tiny``, ``sft_adapter``) without
+    loading any weights, building the tiny base checkpoint first when it is the base and not built yet.
+
+    A ``model.sftAdapter`` directory holding a full model replaces the base model; one holding a PEFT adapter is
+    loaded on top of the base. This is the one place that decides it: :func:`load_policy` (learner, transformers
+    rollouts) and the vLLM rollout engine (which reads the base from disk itself) both follow it.
+
+    Raises:
+        FileNotFoundError: as :func:`check_model_paths` (a missing start or base model; no downloads).
+    """
+    sft = getattr(model_spec, "sft_adapter", None)
+    check_model_paths(model_spec)
+    base_dir = Path(sft) if is_checkpoint_dir(sft) else resolve_base_dir(model_spec, work_dir)
+    return Start(base_dir, Path(sft) if sft and is_adapter_dir(sft) else None)
+
+
+def lora_config(lora: Any, base_model_name_or_path: str | None = None) -> Any:
+    """The ``peft.LoraConfig`` of a fresh adapter for ``lora`` (``LoraSpec``-like: ``rank``, ``alpha``, ``dropout``,
+    ``target_modules``): what :meth:`Policy.add_lora` attaches (Hu et al. 2021, arXiv:2106.09685; no bias
+    training).
+
+    Args:
+        lora: the job's ``spec.lora``.
+        base_model_name_or_path: recorded in the config as peft's ``get_peft_model`` records the base model's
+            ``name_or_path`` (the checkpoint directory it was loaded from); None leaves it unset.
+    """
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=int(lora.rank), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
+        target_modules=list(lora.target_modules), bias="none", base_model_name_or_path=base_model_name_or_path,
+    )
+
+
+def adapter_config_dict(config: Any) -> dict[str, Any]:
+    """The ``adapter_config.json`` content of a peft config (``peft.LoraConfig``, e.g. ``lora_config(...)`` or
+    ``peft_model.peft_config["default"]``): ``config.to_dict()`` with sets as sorted lists (peft writes them as
+    lists in set order; sorted, the file is the same on every run). Enum values (``peft_type``) are ``str`` enums,
+    which ``json.dumps`` writes as their strings, as peft does. ``PeftModel.save_pretrained`` also sets
+    ``inference_mode: true`` and the model class's ``auto_mapping`` in the file it writes; PEFT and vLLM load the
+    adapter either way (PEFT sets the mode from ``is_trainable``; the mapping only names the class)."""
+    cfg = config.to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+
+
 def load_policy(
     model_spec: Any,
     lora: Any | None = None,
@@ -867,12 +924,11 @@ def load_policy(
             (:func:`check_model_paths`).
         ValueError: vision-tower LoRA targets, or the processor is not a vision-language one (:func:`load_pretrained`).
     """
-    sft = getattr(model_spec, "sft_adapter", None)
     dtype = getattr(model_spec, "dtype", "float32")
-    check_model_paths(model_spec)
-    base_dir = Path(sft) if is_checkpoint_dir(sft) else resolve_base_dir(model_spec, work_dir)
-    policy = load_pretrained(base_dir, dtype, device)
-    if sft and is_adapter_dir(sft):
+    start = resolve_start(model_spec, work_dir)
+    policy = load_pretrained(start.base_dir, dtype, device)
+    if start.adapter_dir is not None:
+        sft = getattr(model_spec, "sft_adapter", None)  # as given (a str): what the adapter is loaded and logged as
         policy.load_adapter(sft, trainable=trainable)
         if lora is not None and trainable:
             _warn_ignored_lora(sft, lora)

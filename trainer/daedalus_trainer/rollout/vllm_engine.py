@@ -9,6 +9,12 @@ Design (docs/engineering-notes.md, "vLLM rollout design"):
 - New weights arrive as LoRA adapters: each :meth:`VLLMEngine.load_adapter` registers a new ``LoRARequest`` id
   (``enable_lora``), so no in-place weight reload and no encoder-cache reset is needed. vLLM ignores LoRA on
   Qwen3-VL's vision tower, which is why :func:`daedalus_trainer.policy.check_lora_targets` refuses vision targets.
+- The learner publishes adapter *tensors* (megabytes, never the base weights). vLLM loads adapters from directories,
+  so the engine writes each version to ``<adapter_dir>/v<version>/`` with the ``adapter_config.json`` it was given
+  (:func:`daedalus_trainer.policy.adapter_config_dict`) and deletes older version directories, keeping the current
+  and the previous one: disk use stays two adapters however long the run.
+- vLLM accepts only some ``max_lora_rank`` values (:data:`VLLM_MAX_LORA_RANKS`); the engine asks for the smallest
+  that holds the adapter's rank (:func:`vllm_max_lora_rank`).
 - Prompts are rendered with the checkpoint's chat template by :mod:`daedalus_trainer.prompts` (the same text the
   transformers engine tokenizes); vLLM's processor expands the image pads, and the exact prompt tokens it used are
   returned (``RequestOutput.prompt_token_ids``).
@@ -24,6 +30,8 @@ Design (docs/engineering-notes.md, "vLLM rollout design"):
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +46,26 @@ from daedalus_trainer.rollout.engine import Generation, SamplingParams
 #: the token's probability negligible, not exactly zero.
 SUPPRESS_BIAS = -100.0
 
+#: The ``max_lora_rank`` values vLLM accepts: ``MaxLoRARanks`` in ``vllm/config/lora.py`` (the same list from vLLM
+#: 0.26 on; earlier versions had (8, 16, 32, 64[, 128, 256])). Not checked against the 0.33.0 the trainer image pins.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: Name of an adapter version directory under :attr:`VLLMEngine.adapter_dir`.
+_VERSION_DIR = re.compile(r"v\d+")
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts (:data:`VLLM_MAX_LORA_RANKS`) that serves an adapter of ``rank``.
+    vLLM sizes its LoRA buffers by it, so a larger value only wastes GPU memory.
+
+    Raises:
+        ValueError: ``rank`` < 1 or above the largest, 512 (``lora.rank``'s own limit).
+    """
+    rank = int(rank)
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if rank >= 1 and allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} cannot be served by vLLM (max_lora_rank is one of {VLLM_MAX_LORA_RANKS})")
+
 
 class VLLMEngine:
     """:class:`~daedalus_trainer.rollout.engine.RolloutEngine` on vLLM's offline ``LLM``.
@@ -45,7 +73,11 @@ class VLLMEngine:
     Args:
         model_path: local checkpoint directory of the base model (no downloads).
         history_turns: images per prompt at most (``limit_mm_per_prompt``).
-        max_lora_rank: largest adapter rank to serve.
+        adapter_config: the ``adapter_config.json`` content (a dict, :func:`daedalus_trainer.policy.
+            adapter_config_dict`) written next to adapters given as tensors. None: that of the last adapter loaded
+            from a directory (one must be loaded first).
+        max_lora_rank: largest adapter rank to serve, rounded up to a value vLLM accepts (:func:`vllm_max_lora_rank`);
+            None: ``adapter_config["r"]``, or 64 without a config.
         dtype: ``bfloat16`` (default), ``float16`` or ``float32``.
         gpu_memory_utilization: fraction (0-1] of each GPU's memory vLLM may take (weights, activations, KV cache).
         max_model_len: context length in tokens (prompt, image tokens included, plus the reply).
@@ -58,6 +90,7 @@ class VLLMEngine:
 
     Raises:
         ImportError: vLLM is not installed (install the ``gpu`` extra).
+        ValueError: a rank vLLM cannot serve (:func:`vllm_max_lora_rank`).
     """
 
     def __init__(
@@ -65,7 +98,8 @@ class VLLMEngine:
         model_path: str | Path,
         *,
         history_turns: int = 1,
-        max_lora_rank: int = 64,
+        adapter_config: dict[str, Any] | None = None,
+        max_lora_rank: int | None = None,
         dtype: str = "bfloat16",
         gpu_memory_utilization: float = 0.5,
         max_model_len: int = 8192,
@@ -91,30 +125,41 @@ class VLLMEngine:
 
         self.suppressed_token_ids = sorted(vocab[t] for t in VISION_SPECIAL_TOKENS if t in vocab)
         self.stop_token_ids = sorted({vocab[t] for t in (IM_END, ENDOFTEXT) if t in vocab})
+        if max_lora_rank is None:
+            max_lora_rank = int(adapter_config["r"]) if adapter_config else 64
+        #: The ``max_lora_rank`` given to vLLM.
+        self.max_lora_rank = vllm_max_lora_rank(max_lora_rank)
         self.llm = vllm.LLM(
-            model=self.model_path, dtype=dtype, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=2,
+            model=self.model_path, dtype=dtype, enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=2,
             limit_mm_per_prompt={"image": max(1, int(history_turns))}, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed,
             logprobs_mode="processed_logprobs", **llm_kwargs,
         )
         self.adapter_version = 0
         self._lora_request: Any = None
-        self._adapter_config: dict[str, Any] | None = None
+        #: The directory of the adapter served now (None before the first :meth:`load_adapter`).
+        self.adapter_path: Path | None = None
+        self._adapter_config: dict[str, Any] | None = dict(adapter_config) if adapter_config else None
         self._tmp = None if adapter_dir else tempfile.TemporaryDirectory(prefix="daedalus-adapters-")
         self.adapter_dir = Path(adapter_dir) if adapter_dir else Path(self._tmp.name)
 
     def load_adapter(self, path_or_state: str | Path | dict[str, Any], version: int) -> None:
         """Serve this adapter from now on as LoRA id ``version + 1``.
 
-        A state dict (PEFT key names, as :meth:`daedalus_trainer.policy.Policy.adapter_state`) is written to
-        ``<adapter_dir>/v<version>`` with the ``adapter_config.json`` of the last adapter loaded from a directory.
+        A state dict (PEFT key names, as :meth:`daedalus_trainer.policy.Policy.adapter_state`: ``lora_A``
+        ``[r, in_features]``, ``lora_B`` ``[out_features, r]``) is written to ``<adapter_dir>/v<version>`` with the
+        engine's ``adapter_config`` (or the ``adapter_config.json`` of the last adapter loaded from a directory); then
+        every other ``v<N>`` directory under ``adapter_dir`` but the previously served one is deleted. A directory is
+        served where it is (never deleted: it is not the engine's) and its config becomes the one written from then
+        on.
 
         Raises:
             FileNotFoundError: a directory without ``adapter_config.json``.
-            ValueError: a state dict before any adapter directory was loaded (its config is unknown).
+            ValueError: a state dict while no config is known (no ``adapter_config`` given, no directory loaded).
         """
         from vllm.lora.request import LoRARequest
 
+        written = False
         if isinstance(path_or_state, (str, Path)):
             path = Path(path_or_state)
             if not (path / ADAPTER_CONFIG).is_file():
@@ -122,15 +167,31 @@ class VLLMEngine:
             self._adapter_config = json.loads((path / ADAPTER_CONFIG).read_text())
         else:
             if self._adapter_config is None:
-                raise ValueError("load an adapter directory first: a state dict carries no adapter_config.json")
+                raise ValueError("no adapter_config: give the engine one, or load an adapter directory first (a state "
+                                 "dict carries no adapter_config.json)")
             from safetensors.torch import save_file
 
             path = self.adapter_dir / f"v{int(version)}"
             path.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in path_or_state.items()}, str(path / ADAPTER_WEIGHTS))
-            (path / ADAPTER_CONFIG).write_text(json.dumps(self._adapter_config))
+            save_file({k: v.detach().cpu().contiguous() for k, v in path_or_state.items()}, str(path / ADAPTER_WEIGHTS))
+            (path / ADAPTER_CONFIG).write_text(json.dumps(self._adapter_config, indent=2, sort_keys=True))
+            written = True
+        previous, self.adapter_path = self.adapter_path, path
         self._lora_request = LoRARequest(f"daedalus-v{int(version)}", int(version) + 1, str(path))
         self.adapter_version = int(version)
+        if written:
+            self._prune(keep={path, previous})
+
+    def _prune(self, keep: set[Path | None]) -> None:
+        """Delete the adapter version directories (``v<N>``) under :attr:`adapter_dir` but those in ``keep``."""
+        for entry in self.adapter_dir.iterdir():
+            if entry.is_dir() and _VERSION_DIR.fullmatch(entry.name) and entry not in keep:
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def version_dirs(self) -> list[Path]:
+        """The adapter version directories (``v<N>``) now under :attr:`adapter_dir`, by version."""
+        found = [e for e in self.adapter_dir.iterdir() if e.is_dir() and _VERSION_DIR.fullmatch(e.name)]
+        return sorted(found, key=lambda e: int(e.name[1:]))
 
     def generate(
         self, conversations: Sequence[list[dict[str, Any]]], images: Sequence[Sequence[Any]], sampling: SamplingParams

@@ -1,0 +1,1 @@
+"""Stand-in for ``vllm.lora`` (see ``vllm/__init__.py``)."""
