@@ -264,6 +264,43 @@ def test_corrupt_newest_falls_back_to_previous_with_log(tmp_path: Path, caplog, 
                for line in lines), lines
 
 
+def test_a_state_whose_step_disagrees_with_its_directory_fails_and_resume_falls_back(tmp_path: Path,
+                                                                                       caplog) -> None:
+    """step-000020's trainer_state.json says step 17 (a state copied from another checkpoint) and its manifest lists
+    the edited file's real size and sha256, so only the disagreement is wrong: verification names both numbers and
+    load_latest resumes from step 10 with the usual warning."""
+    root = tmp_path / "ckpt"
+    save_steps(CheckpointManager(root, keep=3), [10, 20])
+    newest = root / "step-000020"
+    state_file = newest / "trainer_state.json"
+    doc = json.loads(state_file.read_text())
+    assert doc["step"] == 20
+    doc["step"] = 17
+    data = json.dumps(doc).encode()
+    state_file.write_bytes(data)
+    manifest = json.loads((newest / MANIFEST).read_text())
+    (entry,) = [e for e in manifest["files"] if e["path"] == "trainer_state.json"]
+    entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+
+    problems = verify_checkpoint(newest)
+    assert [(p.file, p.reason) for p in problems] == [("trainer_state.json", "step mismatch")]
+    assert problems[0].detail == "trainer_state.json says step 17, the directory name step-000020 says step 20"
+    with pytest.raises(CheckpointCorruptError, match="step mismatch"):
+        load_checkpoint(newest)
+    with caplog.at_level(logging.WARNING, logger="daedalus_trainer.checkpoint"):
+        loaded = load_latest(root)
+    assert loaded is not None and loaded.step == 10 and loaded.path.name == "step-000010"
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(line.startswith(f"checkpoint {newest} rejected: trainer_state.json: step mismatch (trainer_state.json "
+                               "says step 17, the directory name step-000020 says step 20); falling back to "
+                               "step-000010") for line in lines), lines
+    # the same state under a name that encodes no step (an abandoned copy) verifies: nothing to compare it with
+    aside = root / "abandoned-step-000020-x"
+    os.rename(newest, aside)
+    assert verify_checkpoint(aside) == []
+
+
 @pytest.mark.parametrize("unreadable", ["optimizer.pt", MANIFEST])
 def test_an_unreadable_newest_checkpoint_is_an_error_not_a_fallback(tmp_path: Path, unreadable: str) -> None:
     """Permission denied (EACCES, a real one: the file mode is 000 and the reader may not override it) on the newest

@@ -182,7 +182,7 @@ class ManifestProblem:
     """Why one file of a checkpoint fails verification.
 
     ``reason`` is one of ``"missing"``, ``"size mismatch"``, ``"sha256 mismatch"``, ``"unreadable JSON"``,
-    ``"not in manifest"``, ``"bad manifest"``; ``detail`` is a human-readable explanation.
+    ``"step mismatch"``, ``"not in manifest"``, ``"bad manifest"``; ``detail`` is a human-readable explanation.
     """
 
     file: str
@@ -707,13 +707,27 @@ def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[ManifestProb
     return doc, []
 
 
+def _step_mismatch(path: Path, state_doc: Any) -> str | None:
+    """Why ``trainer_state.json`` (parsed: ``state_doc``) disagrees with the step the directory's name
+    ``step-NNNNNN`` encodes, or ``None`` when they agree, when the name encodes no step (an ``abandoned-*`` or
+    ``.trash-*`` copy, a directory given by path) or when the state holds no integer ``step`` (left to
+    :func:`load_checkpoint`, which reports it)."""
+    named = _step_of(path.name)
+    step = state_doc.get("step") if isinstance(state_doc, dict) else None
+    if named is None or isinstance(step, bool) or not isinstance(step, int) or step == named:
+        return None
+    return f"{TRAINER_STATE} says step {step}, the directory name {path.name} says step {named}"
+
+
 def verify_checkpoint(path: str | os.PathLike[str]) -> list[ManifestProblem]:
     """Check every file of a checkpoint against its MANIFEST.json: presence, size in bytes, sha256.
 
-    Also requires the manifest to list every file in :data:`REQUIRED_FILES` and ``trainer_state.json`` /
-    ``adapter_config.json`` to parse as JSON. Reads every byte once (sha256 over the whole checkpoint; files are
-    hashed on up to :data:`_HASH_THREADS` threads). Presence and size problems come first, then sha256 and JSON
-    ones, each group in manifest order.
+    Also requires the manifest to list every file in :data:`REQUIRED_FILES`, ``trainer_state.json`` /
+    ``adapter_config.json`` to parse as JSON, and, where the directory is named ``step-NNNNNN``, the ``step`` of
+    ``trainer_state.json`` to be NNNNNN (``"step mismatch"``: a directory renamed, or a state copied from another
+    checkpoint, would resume at a step other than the one :func:`load_latest` chose it for). Reads every byte once
+    (sha256 over the whole checkpoint; files are hashed on up to :data:`_HASH_THREADS` threads). Presence and size
+    problems come first, then sha256, JSON and step ones, each group in manifest order.
 
     Returns:
         The problems found, empty when the checkpoint is usable.
@@ -759,9 +773,14 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[ManifestProblem]:
             continue
         if rel.endswith(".json"):
             try:
-                json.loads(fpath.read_text(encoding="utf-8"))
+                parsed = json.loads(fpath.read_text(encoding="utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 problems.append(ManifestProblem(rel, "unreadable JSON", str(e)))
+                continue
+            if rel == TRAINER_STATE:
+                mismatch = _step_mismatch(path, parsed)
+                if mismatch:
+                    problems.append(ManifestProblem(rel, "step mismatch", mismatch))
     for rel in REQUIRED_FILES:
         if rel not in listed:
             problems.append(ManifestProblem(rel, "not in manifest", "required checkpoint file is not listed"))
@@ -801,7 +820,8 @@ def load_latest(root: str | os.PathLike[str]) -> LoadedCheckpoint | None:
     """The newest (highest step) checkpoint under ``root`` whose manifest verifies.
 
     Each rejected candidate is logged with ``logging.warning`` naming the checkpoint, the bad file and why
-    ("size mismatch", "sha256 mismatch", "missing", "unreadable JSON", ...), then the next older one is tried.
+    ("size mismatch", "sha256 mismatch", "missing", "unreadable JSON", "step mismatch", ...), then the next older one is
+    tried.
 
     Returns:
         The checkpoint, or ``None`` when ``root`` holds no ``step-*`` directory at all (a fresh run).
