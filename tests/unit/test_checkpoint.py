@@ -587,6 +587,93 @@ def test_enospc_on_a_real_full_tmpfs_keeps_previous_checkpoint(tmp_path: Path) -
         assert shutil.disk_usage(mnt).free == free_before  # the partial checkpoint's space was given back
 
 
+STRACE_PROBE = """\
+import sys
+from pathlib import Path
+import torch
+from daedalus_trainer.checkpoint import AdapterState, CheckpointManager, TrainerState, export_adapter
+tensors = {"base_model.model.x.lora_A.weight": torch.ones(2, 4), "base_model.model.x.lora_B.weight": torch.ones(4, 2)}
+info = CheckpointManager(sys.argv[1]).save(3, AdapterState(tensors, {"peft_type": "LORA", "r": 2}),
+                                           {"state": {}, "param_groups": []}, TrainerState())
+export_adapter(info, sys.argv[2])
+"""
+
+
+def strace_calls(text: str) -> list[tuple[str, str, int]]:
+    """``(syscall, arguments, return value)`` of each completed call in ``strace -f -o`` output, in order; a call
+    another thread interrupted (``<unfinished ...>`` then ``<... NAME resumed>``) is joined back into one."""
+    import re
+
+    pending: dict[str, str] = {}
+    calls = []
+    for line in text.splitlines():
+        pid, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if rest.endswith("<unfinished ...>"):
+            pending[pid] = rest[:-len("<unfinished ...>")]
+            continue
+        resumed = re.match(r"<\.\.\. \w+ resumed>(.*)", rest)
+        if resumed:
+            rest = pending.pop(pid, "") + resumed.group(1)
+        m = re.match(r"(\w+)\((.*)\)\s+=\s+(-?\d+)", rest)
+        if m:
+            calls.append((m.group(1), m.group(2), int(m.group(3))))
+    return calls
+
+
+def test_directories_a_save_creates_are_fsynced_into_their_parents(tmp_path: Path) -> None:
+    """The first save into runs/job/checkpoints (none of the three exists) and the export into runs/job/exports,
+    traced with strace in a child process: every directory they create has its parent opened (O_DIRECTORY) and
+    fsynced after the mkdir, those outside the checkpoint before the rename that commits it, so a power loss after
+    the commit cannot lose the entries leading to it. The checkpoint's own directories are flushed by the existing
+    pass: adapter/ into the temporary directory before the rename, the renamed directory into the root after it."""
+    import sys
+
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed (apt-get install strace): the fsync calls cannot be observed")
+    probe = subprocess.run([strace, "-f", "-o", os.devnull, "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"strace cannot trace here (ptrace not permitted?): {probe.stderr.strip()[:200]}")
+    runs = tmp_path / "runs"
+    root, export = runs / "job" / "checkpoints", runs / "job" / "exports" / "adapter"
+    log_file = tmp_path / "strace.txt"
+    out = subprocess.run([strace, "-f", "-s", "4096", "-o", str(log_file),
+                          "-e", "trace=/^(fsync|openat|mkdir|mkdirat|rename|renameat|renameat2)$",
+                          sys.executable, "-c", STRACE_PROBE, str(root), str(export)],
+                         capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert verify_checkpoint(root / "step-000003") == [] and (export / "adapter_config.json").is_file()
+
+    made: dict[str, int] = {}  # directory -> index of its mkdir
+    fsynced: list[tuple[int, str]] = []  # (index, directory) of each fsync of an O_DIRECTORY descriptor
+    renamed: dict[str, int] = {}  # rename target -> index
+    fds: dict[int, str] = {}
+    for i, (name, args, ret) in enumerate(strace_calls(log_file.read_text())):
+        paths = args.split('"')[1::2]  # the quoted arguments: file names
+        if name in ("mkdir", "mkdirat") and ret == 0:
+            made[paths[0]] = i
+        elif name == "openat" and ret >= 0:
+            fds[ret] = paths[0] if "O_DIRECTORY" in args else ""
+        elif name == "fsync" and fds.get(int(args)):
+            fsynced.append((i, fds[int(args)]))
+        elif name.startswith("rename") and ret == 0:
+            renamed[paths[-1]] = i
+
+    def fsync_of(directory: Path, after: int, before: float = float("inf")) -> bool:
+        return any(after < i < before and d == str(directory) for i, d in fsynced)
+
+    commit = renamed[str(root / "step-000003")]
+    for directory in (runs, runs / "job", root):
+        assert str(directory) in made, f"{directory} was not created by the save"
+        assert fsync_of(directory.parent, made[str(directory)], commit), f"{directory.parent} not fsynced"
+    exports = runs / "job" / "exports"
+    assert fsync_of(exports.parent, made[str(exports)], renamed[str(export)]), f"{exports.parent} not fsynced"
+    (tmp_dir,) = [d for d in made if Path(d).parent == root and Path(d).name.startswith(".tmp-step-000003-")]
+    assert fsync_of(Path(tmp_dir), made[tmp_dir + "/adapter"], commit)  # adapter/ flushed into the temporary dir
+    assert fsync_of(root, commit)  # the rename itself, into the root
+
+
 def test_atomic_write_json_keeps_the_old_file_when_serialising_fails_half_way(tmp_path: Path) -> None:
     """A value that is not JSON fails after ``json.dump`` has started writing the temporary file: the old file is
     untouched and no temporary file is left (an in-place write would have truncated it when opening)."""

@@ -16,6 +16,8 @@ cluster)::
 Write protocol (one writer per root; the operator stops a Ray job before it submits the next attempt):
 
 1. every file is written into ``<root>/.tmp-step-NNNNNN-<random>/`` (same file system, so the rename is atomic);
+   a root that does not exist yet is created with its missing parents, each fsynced into its parent as it is made
+   (:func:`_make_dirs`), so a power loss after the commit cannot take the new directory entries with it;
 2. every file is fsynced, then ``MANIFEST.json``, then the directories (POSIX ``fsync(2)``; a rename is only durable
    once the parent directory is fsynced too);
 3. the temporary directory is renamed to ``step-NNNNNN`` and the root is fsynced;
@@ -516,6 +518,40 @@ def _fsync_path(path: Path, *, directory: bool = False) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """``mkdir -p path``, durably: each missing directory is created top-down and its parent directory fsynced right
+    after (POSIX ``fsync(2)``: a new directory entry is only on the device once its parent is flushed; ext4, XFS and
+    Lustre may otherwise lose it in a power loss, and with it everything renamed into the new directory). Existing
+    directories cost nothing.
+
+    Returns:
+        The directories created, outermost first (``[]`` when ``path`` existed).
+
+    Raises:
+        FileExistsError: ``path`` or one of its parents exists and is not a directory.
+        OSError: a directory could not be created or its parent not fsynced.
+    """
+    path = Path(path).absolute()
+    missing: list[Path] = []
+    here = path
+    while not here.is_dir():
+        missing.append(here)
+        if here.parent == here:
+            break
+        here = here.parent
+    created = []
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            if not directory.is_dir():
+                raise
+            continue  # made meanwhile by another process, which flushes its own entry
+        _fsync_path(directory.parent, directory=True)
+        created.append(directory)
+    return created
 
 
 def _atomic_write(path: Path, write: Callable[[IO[str]], None]) -> None:
@@ -1055,7 +1091,7 @@ class CheckpointManager:
         committed = False
         replaced: Path | None = None
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            _make_dirs(self.root)
             self._remove_stale_temporaries()
             tmp.mkdir()
             adapter_dir = tmp / ADAPTER_DIR
@@ -1279,7 +1315,7 @@ def export_adapter(ckpt: CheckpointRef, dest: str | os.PathLike[str]) -> Path:
         raise CheckpointCorruptError(f"cannot export from {src}: " + "; ".join(map(str, all_problems)),
                                      {src: all_problems})
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    _make_dirs(dest.parent)
     if dest.exists():  # leftovers of an interrupted export; never the only copy (dest is there)
         for entry in dest.parent.iterdir():
             if (entry.name.startswith((f"{_TMP_PREFIX}{dest.name}-", f"{_TRASH_PREFIX}{dest.name}-"))
