@@ -204,6 +204,52 @@ def test_healthz_status_and_unknown_routes(server: TrainerServer, control: Contr
     assert requests.post(server.url + "/metrics", timeout=5).status_code == 405
 
 
+def documented_status_fields(doc: str) -> dict[str, set[str]]:
+    """The fields the ``GET /status`` route's docstring lists (``JSON ``{a, b {c, d}, e}``...``): each top-level name
+    mapped to the names listed in braces after it (empty for a plain field)."""
+    head = "``GET /status``: JSON ``{"
+    assert head in doc, "the GET /status route is not documented"
+    text = doc[doc.index(head) + len(head):]
+    fields: dict[str, set[str]] = {}
+    depth, token, last = 0, "", ""
+    for ch in text:
+        if ch in "{},":
+            name = " ".join(token.split())
+            if name and depth == 0:
+                fields[name] = set()
+                last = name
+            elif name:
+                fields[last].add(name)
+            token = ""
+            if ch == "{":
+                depth += 1
+            elif ch == "}":
+                if depth == 0:
+                    return fields
+                depth -= 1
+        else:
+            token += ch
+    raise AssertionError("unbalanced braces in the GET /status field list")
+
+
+def test_the_status_docstring_lists_every_field_served(server: TrainerServer, control: ControlState,
+                                                       tmp_path: Path) -> None:
+    """Compare the field list in the module docstring with what a real server answers, on a fresh trainer and on one
+    that resumed and has a checkpoint (then ``latestCheckpoint``'s own fields count too)."""
+    from daedalus_trainer import server as server_module
+
+    documented = documented_status_fields(server_module.__doc__)
+    served = requests.get(server.url + "/status", timeout=5).json()
+    assert set(served) == set(documented), (sorted(set(served) - set(documented)),
+                                            sorted(set(documented) - set(served)))
+    info = save_real_checkpoint(tmp_path / "ckpt", 4)
+    control.set_status(step=4, phase="training", latest_checkpoint=info, resumed_from=4)
+    served = requests.get(server.url + "/status", timeout=5).json()
+    assert served["resumedFrom"] == 4
+    nested = {k: set(v) for k, v in served.items() if isinstance(v, dict)}
+    assert nested == {k: v for k, v in documented.items() if v} == {"latestCheckpoint": {"step", "path", "time"}}
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # POST /checkpoint and /stop
 # --------------------------------------------------------------------------------------------------------------------

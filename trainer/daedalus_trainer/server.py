@@ -6,7 +6,9 @@ Routes:
   OpenMetrics when the scraper asks for it in ``Accept``).
 - ``GET /healthz``: ``200 ok`` while the server thread runs.
 - ``GET /status``: JSON ``{step, totalSteps, phase, latestCheckpoint {step, path, time}, successRatio, rewardMean,
-  adapterPath, attempt, checkpointRequested, stopRequested}`` (``time`` is RFC 3339 UTC, as in the CR status).
+  adapterPath, attempt, resumedFrom, checkpointRequested, stopRequested}`` (``time`` is RFC 3339 UTC, as in the CR
+  status; ``resumedFrom`` is the step of the checkpoint this run resumed from, ``null`` on a fresh start; every field
+  served is listed here, which a test checks against a running server).
 - ``POST /checkpoint[?timeout=SECONDS]``: ask for a checkpoint at the next step boundary and wait (default 300 s)
   until it is written: ``200 {step, path, time}``. ``timeout=0`` returns ``202`` at once.
 - ``POST /stop[?timeout=SECONDS]``: ask the loop to checkpoint and exit cleanly; waits like ``/checkpoint`` and
@@ -234,7 +236,8 @@ class ControlState:
                                                      ended=True))
 
     def status(self) -> dict[str, Any]:
-        """A JSON-ready snapshot for ``GET /status``. NaN/inf ratios are reported as ``null``."""
+        """A JSON-ready snapshot for ``GET /status`` (its fields are listed in this module's docstring). NaN/inf
+        ratios are reported as ``null``."""
         with self._cond:
             doc = dict(self._status)
             doc["checkpointRequested"] = self._checkpoint_requested or self._stop_requested
