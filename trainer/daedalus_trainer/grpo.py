@@ -468,16 +468,33 @@ class Trainer:
                 training maze was found.
             ray.exceptions.RayError: an actor failed: ``RayActorError`` when it died, ``RayTaskError`` wrapping
                 what one of its methods raised (the caller's process exits non-zero; the operator resubmits).
+
+        Whatever it raises (``KeyboardInterrupt`` included), the control phase is set to ``failed`` with
+        ``failureReason`` ``"<ExceptionType>: <first line of its message>"`` first, once the queued checkpoint
+        writes have landed: a ``POST /checkpoint`` or ``/stop`` waiting on :attr:`control` is answered 409 with that
+        reason at once, on a cluster (``daedalus train``) as in a local run (``daedalus run``).
         """
+        from daedalus_trainer.checkpoint import error_reason
+
+        started = time.perf_counter()
+        self.control.set_status(phase="starting", total_steps=self.job.spec.algorithm.steps)
+        try:
+            return self._start_and_train(resume, started)
+        except BaseException as exc:
+            # Before the exception leaves: a POST /checkpoint or /stop waiting on the control state gets 409 with
+            # the reason now, rather than its timeout (504), and /status says why.
+            self.control.set_status(phase="failed", failure_reason=f"{type(exc).__name__}: {error_reason(exc)}")
+            raise
+
+    def _start_and_train(self, resume: str | LoadedCheckpoint, started: float) -> TrainResult:
+        """:meth:`train` but for its failure handling: resume, start the actors, run :meth:`_train`, kill them."""
         import ray
 
         from daedalus_trainer.checkpoint import CheckpointManager
         from daedalus_trainer.layouts import TrainingSampler
 
-        started = time.perf_counter()
         job, algo, ck = self.job, self.job.spec.algorithm, self.job.spec.checkpoint
         manager = CheckpointManager(self.run_dir / "checkpoints", keep=ck.keep)
-        self.control.set_status(phase="starting", total_steps=algo.steps)
         sampler = TrainingSampler.for_env(job.spec.environment, seed=algo.seed)
         if not self.start_dir:
             # Build the tiny base once, here, before actors race to build it in the same directory.
@@ -891,8 +908,8 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
             >= 0, or the run directory cannot be created (all before Ray starts).
         CheckpointError: ``resume`` is a PATH that holds no checkpoint, one that fails verification, or one of
             another LoRA adapter (:func:`check_resumed_adapter`); checked before Ray starts and anything is created.
-        CheckpointError, LayoutError, ray.exceptions.RayError: as :meth:`Trainer.train` (the control phase is set
-            to ``failed`` first).
+        CheckpointError, LayoutError, ray.exceptions.RayError: as :meth:`Trainer.train` (which sets the control
+            phase to ``failed``, with the reason, first).
     """
     from daedalus_trainer.config import load_job
     from daedalus_trainer.server import TrainerServer
@@ -916,11 +933,7 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     trainer = Trainer(job, run_dir)
     trainer.control.set_status(attempt=attempt)
     with TrainerServer(trainer.metrics, trainer.control, host=host, port=port):
-        try:
-            result = trainer.train(resume=start)
-        except BaseException:
-            trainer.control.set_status(phase="failed")
-            raise
+        result = trainer.train(resume=start)  # on any exception it has set the phase to failed, with the reason
         if result.stopped:
             # The POST /stop caller is answered from a server thread once the checkpoint is committed: give it the
             # moment it needs to write the response before the process exits.
