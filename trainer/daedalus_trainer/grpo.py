@@ -42,8 +42,8 @@ def group_advantages(rewards: torch.Tensor, norm: str = "group-std", eps: float 
         rewards: ``[M, G]`` float, episode rewards, one row per group (maze), G episodes each.
         norm: ``"group-std"``: ``(r - mean_g) / (std_g + eps)`` (GRPO, DeepSeekMath eq. in §4.1.2, with the
             population std over the group, ddof 0; TRL and verl use the unbiased one, so their advantages are
-            smaller by sqrt((G-1)/G): 0.94 at G=8); ``"none"``: ``r - mean_g`` (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, which drops
-            the std normalisation to remove the difficulty bias).
+            smaller by sqrt((G-1)/G): 0.94 at G=8); ``"none"``: ``r - mean_g`` (Dr. GRPO, Liu et al. 2025,
+            arXiv:2503.20783, which drops the std normalisation to remove the difficulty bias).
         eps: added to the std, avoids division by zero.
 
     Returns:
@@ -179,7 +179,8 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, LossStats]:
     """Clipped surrogate loss of GRPO over a batch of turn sequences.
 
-    Per assistant token t: ``ratio = exp(logp - logp_old)``, ``pg = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)``
+    Per assistant token t: ``ratio = exp(logp - logp_old)``,
+    ``pg = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)``
     (asymmetric "clip-higher" bounds from DAPO, Yu et al. 2025, arXiv:2503.14476), plus ``kl_coef * k3`` with
     ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman's estimator of KL(policy || reference)).
 
@@ -679,9 +680,10 @@ RESUMABLE_ALGORITHM_FIELDS = ("steps", "evalIntervalSteps")
 def run_identity(job: Any, start_dir: str | None) -> dict[str, Any]:
     """What a GRPO run's trajectory depends on, flat as ``{"section.field": value}`` in the API's spelling: the job's
     ``model`` (but for the ``sftAdapter`` path: a volume mounted elsewhere is the same start), ``lora``,
-    ``environment`` and ``algorithm`` sections (but for :data:`RESUMABLE_ALGORITHM_FIELDS`) and ``start``: the starting point's weight files (``*.safetensors``, ``*.bin`` in ``start_dir``; an adapter, megabytes,
-    by sha256, a full model by size in bytes and modification time in ns, so a multi-GB model costs no read). Kept in
-    every checkpoint's ``TrainerState.extra``."""
+    ``environment`` and ``algorithm`` sections (but for :data:`RESUMABLE_ALGORITHM_FIELDS`) and ``start``: the
+    starting point's weight files (``*.safetensors``, ``*.bin`` in ``start_dir``; an adapter, megabytes, by sha256, a
+    full model by size in bytes and modification time in ns, so a multi-GB model costs no read). Kept in every
+    checkpoint's ``TrainerState.extra``."""
     from daedalus_trainer.checkpoint import weight_files
     from daedalus_trainer.policy import is_adapter_dir
 
