@@ -163,14 +163,20 @@ def test_resume_with_another_rollout_worker_count_warns(uninterrupted, sft_start
     assert len(warned) == 1 and warned[0].startswith("resumed with 1 rollout workers where the checkpoint's run had 2")
 
 
-def test_a_failing_loop_still_releases_its_actors(uninterrupted, sft_start, tmp_path):
-    """The step loop raises (here: the progress callback): the actors are killed and their CPUs come back, so the
-    same process can run another Trainer."""
+def test_a_failing_loop_still_releases_its_actors(sft_start, local_ray, tmp_path, monkeypatch):
+    """The step loop raises in its first step (here: the progress callback) while a POST /checkpoint over real HTTP
+    waits for that step's checkpoint: the caller gets 409 with the reason as soon as train() gives up, not a 504 at
+    its timeout; the actors are killed and their CPUs come back, so the same process can run another Trainer."""
+    import concurrent.futures
     import time
 
     import ray
+    import requests
 
-    job, _, _ = uninterrupted
+    from daedalus_trainer.server import TOKEN_ENV, TrainerServer
+
+    monkeypatch.setenv(TOKEN_ENV, "e2e-token")
+    job = parse_job(tiny_job_dict(algorithm={"lrSchedule": "cosine"}))
     total = ray.cluster_resources()["CPU"]
     trainer = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2)
 
@@ -178,8 +184,20 @@ def test_a_failing_loop_still_releases_its_actors(uninterrupted, sft_start, tmp_
         raise RuntimeError("progress display failed")
 
     trainer.on_step = boom
-    with pytest.raises(RuntimeError, match="progress display failed") as info:
-        trainer.train("none")
+    with TrainerServer(trainer.metrics, trainer.control, host="127.0.0.1", port=0) as srv, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        waiting = pool.submit(requests.post, srv.url + "/checkpoint?timeout=120",
+                              headers={"Authorization": "Bearer e2e-token"}, timeout=150)
+        while not trainer.control.checkpoint_requested():
+            assert not waiting.done(), waiting.result().text
+            time.sleep(0.02)
+        with pytest.raises(RuntimeError, match="progress display failed") as info:
+            trainer.train("none")
+        answer = waiting.result(timeout=30)
+    assert answer.status_code == 409, answer.text
+    assert answer.json()["error"] == ("trainer failed before the checkpoint was written: RuntimeError: progress "
+                                      "display failed")
+    assert trainer.control.status()["phase"] == "failed" and trainer.control.status()["step"] == 1
     # ``info`` keeps the traceback, and with it train()'s frame and its actor handles, alive (as any caller that
     # logs or re-raises the error does): Ray's out-of-scope clean-up cannot be what frees the CPUs
     assert info.tb is not None

@@ -264,6 +264,43 @@ def test_corrupt_newest_falls_back_to_previous_with_log(tmp_path: Path, caplog, 
                for line in lines), lines
 
 
+def test_a_state_whose_step_disagrees_with_its_directory_fails_and_resume_falls_back(tmp_path: Path,
+                                                                                       caplog) -> None:
+    """step-000020's trainer_state.json says step 17 (a state copied from another checkpoint) and its manifest lists
+    the edited file's real size and sha256, so only the disagreement is wrong: verification names both numbers and
+    load_latest resumes from step 10 with the usual warning."""
+    root = tmp_path / "ckpt"
+    save_steps(CheckpointManager(root, keep=3), [10, 20])
+    newest = root / "step-000020"
+    state_file = newest / "trainer_state.json"
+    doc = json.loads(state_file.read_text())
+    assert doc["step"] == 20
+    doc["step"] = 17
+    data = json.dumps(doc).encode()
+    state_file.write_bytes(data)
+    manifest = json.loads((newest / MANIFEST).read_text())
+    (entry,) = [e for e in manifest["files"] if e["path"] == "trainer_state.json"]
+    entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+
+    problems = verify_checkpoint(newest)
+    assert [(p.file, p.reason) for p in problems] == [("trainer_state.json", "step mismatch")]
+    assert problems[0].detail == "trainer_state.json says step 17, the directory name step-000020 says step 20"
+    with pytest.raises(CheckpointCorruptError, match="step mismatch"):
+        load_checkpoint(newest)
+    with caplog.at_level(logging.WARNING, logger="daedalus_trainer.checkpoint"):
+        loaded = load_latest(root)
+    assert loaded is not None and loaded.step == 10 and loaded.path.name == "step-000010"
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(line.startswith(f"checkpoint {newest} rejected: trainer_state.json: step mismatch (trainer_state.json "
+                               "says step 17, the directory name step-000020 says step 20); falling back to "
+                               "step-000010") for line in lines), lines
+    # the same state under a name that encodes no step (an abandoned copy) verifies: nothing to compare it with
+    aside = root / "abandoned-step-000020-x"
+    os.rename(newest, aside)
+    assert verify_checkpoint(aside) == []
+
+
 @pytest.mark.parametrize("unreadable", ["optimizer.pt", MANIFEST])
 def test_an_unreadable_newest_checkpoint_is_an_error_not_a_fallback(tmp_path: Path, unreadable: str) -> None:
     """Permission denied (EACCES, a real one: the file mode is 000 and the reader may not override it) on the newest
@@ -548,6 +585,93 @@ def test_enospc_on_a_real_full_tmpfs_keeps_previous_checkpoint(tmp_path: Path) -
         assert exc.value.errno == errno.ENOSPC
         assert_previous_intact(root, 1)
         assert shutil.disk_usage(mnt).free == free_before  # the partial checkpoint's space was given back
+
+
+STRACE_PROBE = """\
+import sys
+from pathlib import Path
+import torch
+from daedalus_trainer.checkpoint import AdapterState, CheckpointManager, TrainerState, export_adapter
+tensors = {"base_model.model.x.lora_A.weight": torch.ones(2, 4), "base_model.model.x.lora_B.weight": torch.ones(4, 2)}
+info = CheckpointManager(sys.argv[1]).save(3, AdapterState(tensors, {"peft_type": "LORA", "r": 2}),
+                                           {"state": {}, "param_groups": []}, TrainerState())
+export_adapter(info, sys.argv[2])
+"""
+
+
+def strace_calls(text: str) -> list[tuple[str, str, int]]:
+    """``(syscall, arguments, return value)`` of each completed call in ``strace -f -o`` output, in order; a call
+    another thread interrupted (``<unfinished ...>`` then ``<... NAME resumed>``) is joined back into one."""
+    import re
+
+    pending: dict[str, str] = {}
+    calls = []
+    for line in text.splitlines():
+        pid, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if rest.endswith("<unfinished ...>"):
+            pending[pid] = rest[:-len("<unfinished ...>")]
+            continue
+        resumed = re.match(r"<\.\.\. \w+ resumed>(.*)", rest)
+        if resumed:
+            rest = pending.pop(pid, "") + resumed.group(1)
+        m = re.match(r"(\w+)\((.*)\)\s+=\s+(-?\d+)", rest)
+        if m:
+            calls.append((m.group(1), m.group(2), int(m.group(3))))
+    return calls
+
+
+def test_directories_a_save_creates_are_fsynced_into_their_parents(tmp_path: Path) -> None:
+    """The first save into runs/job/checkpoints (none of the three exists) and the export into runs/job/exports,
+    traced with strace in a child process: every directory they create has its parent opened (O_DIRECTORY) and
+    fsynced after the mkdir, those outside the checkpoint before the rename that commits it, so a power loss after
+    the commit cannot lose the entries leading to it. The checkpoint's own directories are flushed by the existing
+    pass: adapter/ into the temporary directory before the rename, the renamed directory into the root after it."""
+    import sys
+
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed (apt-get install strace): the fsync calls cannot be observed")
+    probe = subprocess.run([strace, "-f", "-o", os.devnull, "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"strace cannot trace here (ptrace not permitted?): {probe.stderr.strip()[:200]}")
+    runs = tmp_path / "runs"
+    root, export = runs / "job" / "checkpoints", runs / "job" / "exports" / "adapter"
+    log_file = tmp_path / "strace.txt"
+    out = subprocess.run([strace, "-f", "-s", "4096", "-o", str(log_file),
+                          "-e", "trace=/^(fsync|openat|mkdir|mkdirat|rename|renameat|renameat2)$",
+                          sys.executable, "-c", STRACE_PROBE, str(root), str(export)],
+                         capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert verify_checkpoint(root / "step-000003") == [] and (export / "adapter_config.json").is_file()
+
+    made: dict[str, int] = {}  # directory -> index of its mkdir
+    fsynced: list[tuple[int, str]] = []  # (index, directory) of each fsync of an O_DIRECTORY descriptor
+    renamed: dict[str, int] = {}  # rename target -> index
+    fds: dict[int, str] = {}
+    for i, (name, args, ret) in enumerate(strace_calls(log_file.read_text())):
+        paths = args.split('"')[1::2]  # the quoted arguments: file names
+        if name in ("mkdir", "mkdirat") and ret == 0:
+            made[paths[0]] = i
+        elif name == "openat" and ret >= 0:
+            fds[ret] = paths[0] if "O_DIRECTORY" in args else ""
+        elif name == "fsync" and fds.get(int(args)):
+            fsynced.append((i, fds[int(args)]))
+        elif name.startswith("rename") and ret == 0:
+            renamed[paths[-1]] = i
+
+    def fsync_of(directory: Path, after: int, before: float = float("inf")) -> bool:
+        return any(after < i < before and d == str(directory) for i, d in fsynced)
+
+    commit = renamed[str(root / "step-000003")]
+    for directory in (runs, runs / "job", root):
+        assert str(directory) in made, f"{directory} was not created by the save"
+        assert fsync_of(directory.parent, made[str(directory)], commit), f"{directory.parent} not fsynced"
+    exports = runs / "job" / "exports"
+    assert fsync_of(exports.parent, made[str(exports)], renamed[str(export)]), f"{exports.parent} not fsynced"
+    (tmp_dir,) = [d for d in made if Path(d).parent == root and Path(d).name.startswith(".tmp-step-000003-")]
+    assert fsync_of(Path(tmp_dir), made[tmp_dir + "/adapter"], commit)  # adapter/ flushed into the temporary dir
+    assert fsync_of(root, commit)  # the rename itself, into the root
 
 
 def test_atomic_write_json_keeps_the_old_file_when_serialising_fails_half_way(tmp_path: Path) -> None:

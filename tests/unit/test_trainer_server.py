@@ -185,7 +185,7 @@ def test_healthz_status_and_unknown_routes(server: TrainerServer, control: Contr
     doc = requests.get(server.url + "/status", timeout=5).json()
     assert doc == {"step": 0, "totalSteps": 50, "phase": "starting", "latestCheckpoint": None,
                    "successRatio": None, "rewardMean": None, "adapterPath": None, "attempt": 2, "resumedFrom": None,
-                   "checkpointRequested": False, "stopRequested": False}
+                   "failureReason": None, "checkpointRequested": False, "stopRequested": False}
 
     info = save_real_checkpoint(tmp_path / "ckpt", 30)
     control.set_status(step=31, phase="training", success_ratio=0.75, reward_mean=0.75,
@@ -202,6 +202,52 @@ def test_healthz_status_and_unknown_routes(server: TrainerServer, control: Contr
     assert requests.get(server.url + "/nope", timeout=5).status_code == 404
     assert requests.get(server.url + "/checkpoint", timeout=5).status_code == 405
     assert requests.post(server.url + "/metrics", timeout=5).status_code == 405
+
+
+def documented_status_fields(doc: str) -> dict[str, set[str]]:
+    """The fields the ``GET /status`` route's docstring lists (``JSON ``{a, b {c, d}, e}``...``): each top-level name
+    mapped to the names listed in braces after it (empty for a plain field)."""
+    head = "``GET /status``: JSON ``{"
+    assert head in doc, "the GET /status route is not documented"
+    text = doc[doc.index(head) + len(head):]
+    fields: dict[str, set[str]] = {}
+    depth, token, last = 0, "", ""
+    for ch in text:
+        if ch in "{},":
+            name = " ".join(token.split())
+            if name and depth == 0:
+                fields[name] = set()
+                last = name
+            elif name:
+                fields[last].add(name)
+            token = ""
+            if ch == "{":
+                depth += 1
+            elif ch == "}":
+                if depth == 0:
+                    return fields
+                depth -= 1
+        else:
+            token += ch
+    raise AssertionError("unbalanced braces in the GET /status field list")
+
+
+def test_the_status_docstring_lists_every_field_served(server: TrainerServer, control: ControlState,
+                                                       tmp_path: Path) -> None:
+    """Compare the field list in the module docstring with what a real server answers, on a fresh trainer and on one
+    that resumed and has a checkpoint (then ``latestCheckpoint``'s own fields count too)."""
+    from daedalus_trainer import server as server_module
+
+    documented = documented_status_fields(server_module.__doc__)
+    served = requests.get(server.url + "/status", timeout=5).json()
+    assert set(served) == set(documented), (sorted(set(served) - set(documented)),
+                                            sorted(set(documented) - set(served)))
+    info = save_real_checkpoint(tmp_path / "ckpt", 4)
+    control.set_status(step=4, phase="training", latest_checkpoint=info, resumed_from=4)
+    served = requests.get(server.url + "/status", timeout=5).json()
+    assert served["resumedFrom"] == 4
+    nested = {k: set(v) for k, v in served.items() if isinstance(v, dict)}
+    assert nested == {k: v for k, v in documented.items() if v} == {"latestCheckpoint": {"step", "path", "time"}}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -393,6 +439,55 @@ def test_failed_save_and_terminal_phase_answer_waiters(server: TrainerServer, co
     r = requests.post(server.url + "/checkpoint?timeout=20", headers=AUTH, timeout=30)
     t.join()
     assert r.status_code == 409 and "failed" in r.json()["error"]
+
+
+def test_a_trainer_that_fails_answers_a_waiting_checkpoint_request_409_with_the_reason(tmp_path: Path,
+                                                                                        token_file: Path) -> None:
+    """A real Trainer (tiny model) behind a real TrainerServer: a POST /checkpoint is waiting when train() raises
+    (asked to resume from a checkpoint whose optimizer state was overwritten). The caller gets 409 naming the
+    failure at once, not a 504 at its timeout; /status says failed and why; a later POST /stop gets 409 too."""
+    from daedalus_trainer.checkpoint import CheckpointCorruptError
+    from daedalus_trainer.config import parse_job
+    from daedalus_trainer.grpo import Trainer
+
+    from support.jobs import tiny_job_dict
+
+    bad = save_real_checkpoint(tmp_path / "elsewhere", 4).path
+    (bad / "optimizer.pt").write_bytes(b"not the optimizer state the manifest lists")
+    trainer = Trainer(parse_job(tiny_job_dict()), tmp_path / "run", work_dir=tmp_path / "work")
+    with TrainerServer(trainer.metrics, trainer.control, host="127.0.0.1", port=0) as srv, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        waiting = pool.submit(requests.post, srv.url + "/checkpoint?timeout=60", headers=AUTH, timeout=90)
+        deadline = time.monotonic() + 30
+        while not requests.get(srv.url + "/status", timeout=5).json()["checkpointRequested"]:
+            assert time.monotonic() < deadline, "the checkpoint request never arrived"
+            time.sleep(0.02)
+        started = time.monotonic()
+        with pytest.raises(CheckpointCorruptError) as info:
+            trainer.train(str(bad))
+        answer = waiting.result(timeout=90)
+        waited = time.monotonic() - started
+        status = requests.get(srv.url + "/status", timeout=5).json()
+        stop = requests.post(srv.url + "/stop?timeout=5", headers=AUTH, timeout=30)
+    reason = status["failureReason"]
+    first_line = str(info.value).splitlines()[0]
+    assert first_line.startswith(f"checkpoint {bad} failed verification: optimizer.pt: size mismatch")
+    assert reason == f"CheckpointCorruptError: {first_line}"
+    assert status["phase"] == "failed" and not status["checkpointRequested"]
+    assert answer.status_code == 409, answer.text
+    assert answer.json() == {"error": f"trainer failed before the checkpoint was written: {reason}",
+                             "stopping": False}
+    assert waited < 30, f"answered only after {waited:.1f} s"
+    assert stop.status_code == 409 and stop.json()["error"] == f"trainer already failed: {reason}"
+
+
+def test_failure_reason_goes_with_the_failed_phase_only(control: ControlState) -> None:
+    control.set_status(phase="failed", failure_reason="RuntimeError: boom")
+    assert control.status()["failureReason"] == "RuntimeError: boom"
+    with pytest.raises(ValueError, match="failure_reason goes with phase='failed'"):
+        control.set_status(phase="training", failure_reason="RuntimeError: boom")
+    control.set_status(phase="starting")  # a new attempt on the same state starts without the old reason
+    assert control.status()["failureReason"] is None and control.status()["phase"] == "starting"
 
 
 def test_load_control_token_sources(tmp_path: Path, caplog) -> None:

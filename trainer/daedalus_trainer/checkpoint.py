@@ -16,6 +16,8 @@ cluster)::
 Write protocol (one writer per root; the operator stops a Ray job before it submits the next attempt):
 
 1. every file is written into ``<root>/.tmp-step-NNNNNN-<random>/`` (same file system, so the rename is atomic);
+   a root that does not exist yet is created with its missing parents, each fsynced into its parent as it is made
+   (:func:`_make_dirs`), so a power loss after the commit cannot take the new directory entries with it;
 2. every file is fsynced, then ``MANIFEST.json``, then the directories (POSIX ``fsync(2)``; a rename is only durable
    once the parent directory is fsynced too);
 3. the temporary directory is renamed to ``step-NNNNNN`` and the root is fsynced;
@@ -182,7 +184,7 @@ class ManifestProblem:
     """Why one file of a checkpoint fails verification.
 
     ``reason`` is one of ``"missing"``, ``"size mismatch"``, ``"sha256 mismatch"``, ``"unreadable JSON"``,
-    ``"not in manifest"``, ``"bad manifest"``; ``detail`` is a human-readable explanation.
+    ``"step mismatch"``, ``"not in manifest"``, ``"bad manifest"``; ``detail`` is a human-readable explanation.
     """
 
     file: str
@@ -518,6 +520,40 @@ def _fsync_path(path: Path, *, directory: bool = False) -> None:
         os.close(fd)
 
 
+def _make_dirs(path: Path) -> list[Path]:
+    """``mkdir -p path``, durably: each missing directory is created top-down and its parent directory fsynced right
+    after (POSIX ``fsync(2)``: a new directory entry is only on the device once its parent is flushed; ext4, XFS and
+    Lustre may otherwise lose it in a power loss, and with it everything renamed into the new directory). Existing
+    directories cost nothing.
+
+    Returns:
+        The directories created, outermost first (``[]`` when ``path`` existed).
+
+    Raises:
+        FileExistsError: ``path`` or one of its parents exists and is not a directory.
+        OSError: a directory could not be created or its parent not fsynced.
+    """
+    path = Path(path).absolute()
+    missing: list[Path] = []
+    here = path
+    while not here.is_dir():
+        missing.append(here)
+        if here.parent == here:
+            break
+        here = here.parent
+    created = []
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            if not directory.is_dir():
+                raise
+            continue  # made meanwhile by another process, which flushes its own entry
+        _fsync_path(directory.parent, directory=True)
+        created.append(directory)
+    return created
+
+
 def _atomic_write(path: Path, write: Callable[[IO[str]], None]) -> None:
     if path.is_symlink() or (path.exists() and not path.is_file()):
         # /dev/stdout, a pipe, a link the user set up: written through as given (a rename would replace the link,
@@ -707,13 +743,27 @@ def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, list[ManifestProb
     return doc, []
 
 
+def _step_mismatch(path: Path, state_doc: Any) -> str | None:
+    """Why ``trainer_state.json`` (parsed: ``state_doc``) disagrees with the step the directory's name
+    ``step-NNNNNN`` encodes, or ``None`` when they agree, when the name encodes no step (an ``abandoned-*`` or
+    ``.trash-*`` copy, a directory given by path) or when the state holds no integer ``step`` (left to
+    :func:`load_checkpoint`, which reports it)."""
+    named = _step_of(path.name)
+    step = state_doc.get("step") if isinstance(state_doc, dict) else None
+    if named is None or isinstance(step, bool) or not isinstance(step, int) or step == named:
+        return None
+    return f"{TRAINER_STATE} says step {step}, the directory name {path.name} says step {named}"
+
+
 def verify_checkpoint(path: str | os.PathLike[str]) -> list[ManifestProblem]:
     """Check every file of a checkpoint against its MANIFEST.json: presence, size in bytes, sha256.
 
-    Also requires the manifest to list every file in :data:`REQUIRED_FILES` and ``trainer_state.json`` /
-    ``adapter_config.json`` to parse as JSON. Reads every byte once (sha256 over the whole checkpoint; files are
-    hashed on up to :data:`_HASH_THREADS` threads). Presence and size problems come first, then sha256 and JSON
-    ones, each group in manifest order.
+    Also requires the manifest to list every file in :data:`REQUIRED_FILES`, ``trainer_state.json`` /
+    ``adapter_config.json`` to parse as JSON, and, where the directory is named ``step-NNNNNN``, the ``step`` of
+    ``trainer_state.json`` to be NNNNNN (``"step mismatch"``: a directory renamed, or a state copied from another
+    checkpoint, would resume at a step other than the one :func:`load_latest` chose it for). Reads every byte once
+    (sha256 over the whole checkpoint; files are hashed on up to :data:`_HASH_THREADS` threads). Presence and size
+    problems come first, then sha256, JSON and step ones, each group in manifest order.
 
     Returns:
         The problems found, empty when the checkpoint is usable.
@@ -759,9 +809,14 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[ManifestProblem]:
             continue
         if rel.endswith(".json"):
             try:
-                json.loads(fpath.read_text(encoding="utf-8"))
+                parsed = json.loads(fpath.read_text(encoding="utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 problems.append(ManifestProblem(rel, "unreadable JSON", str(e)))
+                continue
+            if rel == TRAINER_STATE:
+                mismatch = _step_mismatch(path, parsed)
+                if mismatch:
+                    problems.append(ManifestProblem(rel, "step mismatch", mismatch))
     for rel in REQUIRED_FILES:
         if rel not in listed:
             problems.append(ManifestProblem(rel, "not in manifest", "required checkpoint file is not listed"))
@@ -801,7 +856,8 @@ def load_latest(root: str | os.PathLike[str]) -> LoadedCheckpoint | None:
     """The newest (highest step) checkpoint under ``root`` whose manifest verifies.
 
     Each rejected candidate is logged with ``logging.warning`` naming the checkpoint, the bad file and why
-    ("size mismatch", "sha256 mismatch", "missing", "unreadable JSON", ...), then the next older one is tried.
+    ("size mismatch", "sha256 mismatch", "missing", "unreadable JSON", "step mismatch", ...), then the next older one is
+    tried.
 
     Returns:
         The checkpoint, or ``None`` when ``root`` holds no ``step-*`` directory at all (a fresh run).
@@ -1035,7 +1091,7 @@ class CheckpointManager:
         committed = False
         replaced: Path | None = None
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            _make_dirs(self.root)
             self._remove_stale_temporaries()
             tmp.mkdir()
             adapter_dir = tmp / ADAPTER_DIR
@@ -1259,7 +1315,7 @@ def export_adapter(ckpt: CheckpointRef, dest: str | os.PathLike[str]) -> Path:
         raise CheckpointCorruptError(f"cannot export from {src}: " + "; ".join(map(str, all_problems)),
                                      {src: all_problems})
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    _make_dirs(dest.parent)
     if dest.exists():  # leftovers of an interrupted export; never the only copy (dest is there)
         for entry in dest.parent.iterdir():
             if (entry.name.startswith((f"{_TMP_PREFIX}{dest.name}-", f"{_TRASH_PREFIX}{dest.name}-"))

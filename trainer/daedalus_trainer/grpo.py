@@ -42,8 +42,8 @@ def group_advantages(rewards: torch.Tensor, norm: str = "group-std", eps: float 
         rewards: ``[M, G]`` float, episode rewards, one row per group (maze), G episodes each.
         norm: ``"group-std"``: ``(r - mean_g) / (std_g + eps)`` (GRPO, DeepSeekMath eq. in §4.1.2, with the
             population std over the group, ddof 0; TRL and verl use the unbiased one, so their advantages are
-            smaller by sqrt((G-1)/G): 0.94 at G=8); ``"none"``: ``r - mean_g`` (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, which drops
-            the std normalisation to remove the difficulty bias).
+            smaller by sqrt((G-1)/G): 0.94 at G=8); ``"none"``: ``r - mean_g`` (Dr. GRPO, Liu et al. 2025,
+            arXiv:2503.20783, which drops the std normalisation to remove the difficulty bias).
         eps: added to the std, avoids division by zero.
 
     Returns:
@@ -179,7 +179,8 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, LossStats]:
     """Clipped surrogate loss of GRPO over a batch of turn sequences.
 
-    Per assistant token t: ``ratio = exp(logp - logp_old)``, ``pg = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)``
+    Per assistant token t: ``ratio = exp(logp - logp_old)``,
+    ``pg = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)``
     (asymmetric "clip-higher" bounds from DAPO, Yu et al. 2025, arXiv:2503.14476), plus ``kl_coef * k3`` with
     ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman's estimator of KL(policy || reference)).
 
@@ -470,16 +471,33 @@ class Trainer:
                 training maze was found.
             ray.exceptions.RayError: an actor failed: ``RayActorError`` when it died, ``RayTaskError`` wrapping
                 what one of its methods raised (the caller's process exits non-zero; the operator resubmits).
+
+        Whatever it raises (``KeyboardInterrupt`` included), the control phase is set to ``failed`` with
+        ``failureReason`` ``"<ExceptionType>: <first line of its message>"`` first, once the queued checkpoint
+        writes have landed: a ``POST /checkpoint`` or ``/stop`` waiting on :attr:`control` is answered 409 with that
+        reason at once, on a cluster (``daedalus train``) as in a local run (``daedalus run``).
         """
+        from daedalus_trainer.checkpoint import error_reason
+
+        started = time.perf_counter()
+        self.control.set_status(phase="starting", total_steps=self.job.spec.algorithm.steps)
+        try:
+            return self._start_and_train(resume, started)
+        except BaseException as exc:
+            # Before the exception leaves: a POST /checkpoint or /stop waiting on the control state gets 409 with
+            # the reason now, rather than its timeout (504), and /status says why.
+            self.control.set_status(phase="failed", failure_reason=f"{type(exc).__name__}: {error_reason(exc)}")
+            raise
+
+    def _start_and_train(self, resume: str | LoadedCheckpoint, started: float) -> TrainResult:
+        """:meth:`train` but for its failure handling: resume, start the actors, run :meth:`_train`, kill them."""
         import ray
 
         from daedalus_trainer.checkpoint import CheckpointManager
         from daedalus_trainer.layouts import TrainingSampler
 
-        started = time.perf_counter()
         job, algo, ck = self.job, self.job.spec.algorithm, self.job.spec.checkpoint
         manager = CheckpointManager(self.run_dir / "checkpoints", keep=ck.keep)
-        self.control.set_status(phase="starting", total_steps=algo.steps)
         sampler = TrainingSampler.for_env(job.spec.environment, seed=algo.seed)
         if not self.start_dir:
             # Build the tiny base once, here, before actors race to build it in the same directory.
@@ -678,9 +696,10 @@ RESUMABLE_ALGORITHM_FIELDS = ("steps", "evalIntervalSteps", "rolloutEngine")
 def run_identity(job: Any, start_dir: str | None) -> dict[str, Any]:
     """What a GRPO run's trajectory depends on, flat as ``{"section.field": value}`` in the API's spelling: the job's
     ``model`` (but for the ``sftAdapter`` path: a volume mounted elsewhere is the same start), ``lora``,
-    ``environment`` and ``algorithm`` sections (but for :data:`RESUMABLE_ALGORITHM_FIELDS`) and ``start``: the starting point's weight files (``*.safetensors``, ``*.bin`` in ``start_dir``; an adapter, megabytes,
-    by sha256, a full model by size in bytes and modification time in ns, so a multi-GB model costs no read). Kept in
-    every checkpoint's ``TrainerState.extra``."""
+    ``environment`` and ``algorithm`` sections (but for :data:`RESUMABLE_ALGORITHM_FIELDS`) and ``start``: the
+    starting point's weight files (``*.safetensors``, ``*.bin`` in ``start_dir``; an adapter, megabytes, by sha256, a
+    full model by size in bytes and modification time in ns, so a multi-GB model costs no read). Kept in every
+    checkpoint's ``TrainerState.extra``."""
     from daedalus_trainer.checkpoint import weight_files
     from daedalus_trainer.policy import is_adapter_dir
 
@@ -907,8 +926,8 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
             >= 0, or the run directory cannot be created (all before Ray starts).
         CheckpointError: ``resume`` is a PATH that holds no checkpoint, one that fails verification, or one of
             another LoRA adapter (:func:`check_resumed_adapter`); checked before Ray starts and anything is created.
-        CheckpointError, LayoutError, ray.exceptions.RayError: as :meth:`Trainer.train` (the control phase is set
-            to ``failed`` first).
+        CheckpointError, LayoutError, ray.exceptions.RayError: as :meth:`Trainer.train` (which sets the control
+            phase to ``failed``, with the reason, first).
     """
     from daedalus_trainer.config import load_job
     from daedalus_trainer.server import TrainerServer
@@ -932,11 +951,7 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     trainer = Trainer(job, run_dir)
     trainer.control.set_status(attempt=attempt)
     with TrainerServer(trainer.metrics, trainer.control, host=host, port=port):
-        try:
-            result = trainer.train(resume=start)
-        except BaseException:
-            trainer.control.set_status(phase="failed")
-            raise
+        result = trainer.train(resume=start)  # on any exception it has set the phase to failed, with the reason
         if result.stopped:
             # The POST /stop caller is answered from a server thread once the checkpoint is committed: give it the
             # moment it needs to write the response before the process exits.

@@ -6,7 +6,10 @@ Routes:
   OpenMetrics when the scraper asks for it in ``Accept``).
 - ``GET /healthz``: ``200 ok`` while the server thread runs.
 - ``GET /status``: JSON ``{step, totalSteps, phase, latestCheckpoint {step, path, time}, successRatio, rewardMean,
-  adapterPath, attempt, checkpointRequested, stopRequested}`` (``time`` is RFC 3339 UTC, as in the CR status).
+  adapterPath, attempt, resumedFrom, failureReason, checkpointRequested, stopRequested}`` (``time`` is RFC 3339 UTC,
+  as in the CR status; ``resumedFrom`` is the step of the checkpoint this run resumed from, ``null`` on a fresh start;
+  ``failureReason`` is why the run failed, ``"<ExceptionType>: <first line>"``, while ``phase`` is ``failed``, else
+  ``null``; every field served is listed here, which a test checks against a running server).
 - ``POST /checkpoint[?timeout=SECONDS]``: ask for a checkpoint at the next step boundary and wait (default 300 s)
   until it is written: ``200 {step, path, time}``. ``timeout=0`` returns ``202`` at once.
 - ``POST /stop[?timeout=SECONDS]``: ask the loop to checkpoint and exit cleanly; waits like ``/checkpoint`` and
@@ -18,8 +21,9 @@ file named by ``DAEDALUS_CONTROL_TOKEN_FILE`` (the operator's Secret), is compar
 (:func:`hmac.compare_digest`), and is read per request (a replaced token file takes effect at once; the operator
 passes the token in the environment, so a new one reaches the trainer with its next RayCluster). Responses: 401 without
 or with a wrong token (with ``WWW-Authenticate: Bearer``), 503 when no token is configured, 504 when the wait times
-out (the request stays pending and is still honoured), 409 when the trainer has already finished or failed, 500 when
-the save failed.
+out (the request stays pending and is still honoured), 409 when the trainer has already finished, stopped or failed
+(also for a caller that was waiting when it did; a failure's message ends with its ``failureReason``), 500 when the
+save failed.
 
 Why the standard library's :class:`http.server.ThreadingHTTPServer` rather than aiohttp: the training loop is
 synchronous torch code with no event loop to share, a blocking ``POST /checkpoint`` maps directly onto a thread
@@ -156,6 +160,7 @@ class ControlState:
             "adapterPath": None,
             "attempt": attempt,
             "resumedFrom": None,
+            "failureReason": None,
         }
 
     # -- for the training loop ---------------------------------------------------------------------------------------
@@ -205,16 +210,21 @@ class ControlState:
         attempt: int | None = None,
         latest_checkpoint: Any | None = None,
         resumed_from: int | None = None,
+        failure_reason: str | None = None,
     ) -> None:
         """Update the fields given (others keep their value). ``latest_checkpoint`` (an object with ``step``,
         ``path``, ``time``) sets ``latestCheckpoint`` without answering waiters (e.g. the checkpoint a run resumed
-        from). Entering ``finished``, ``stopped`` or ``failed`` answers pending checkpoint callers with an error.
+        from). ``failure_reason`` (only with ``phase="failed"``) says why, as ``failureReason``; any other phase
+        clears it. Entering ``finished``, ``stopped`` or ``failed`` answers pending checkpoint callers with an error
+        (HTTP 409) that ends with the failure reason, when there is one.
 
         Raises:
-            ValueError: unknown ``phase`` or a ratio outside [0, 1].
+            ValueError: unknown ``phase``, a ratio outside [0, 1], or ``failure_reason`` without ``phase="failed"``.
         """
         if phase is not None and phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        if failure_reason is not None and phase != "failed":
+            raise ValueError(f"failure_reason goes with phase='failed', got phase={phase!r}")
         if success_ratio is not None and not 0.0 <= success_ratio <= 1.0:
             raise ValueError(f"success_ratio must be in [0, 1], got {success_ratio}")
         with self._cond:
@@ -223,6 +233,8 @@ class ControlState:
                                ("resumedFrom", resumed_from)):
                 if value is not None:
                     self._status[key] = value
+            if phase is not None:
+                self._status["failureReason"] = failure_reason
             if adapter_path is not None:
                 self._status["adapterPath"] = str(adapter_path)
             if latest_checkpoint is not None:
@@ -230,11 +242,17 @@ class ControlState:
                                                     "path": str(latest_checkpoint.path),
                                                     "time": _rfc3339(float(latest_checkpoint.time))}
             if phase in _TERMINAL and self._answered_seq < self._request_seq:
-                self._answer_locked(CheckpointResult(error=f"trainer {phase} before the checkpoint was written",
-                                                     ended=True))
+                self._answer_locked(CheckpointResult(
+                    error=f"trainer {phase} before the checkpoint was written{self._because_locked()}", ended=True))
+
+    def _because_locked(self) -> str:
+        """``": <failureReason>"`` while there is one, else ``""`` (the end of a 409 message)."""
+        reason = self._status["failureReason"]
+        return f": {reason}" if reason else ""
 
     def status(self) -> dict[str, Any]:
-        """A JSON-ready snapshot for ``GET /status``. NaN/inf ratios are reported as ``null``."""
+        """A JSON-ready snapshot for ``GET /status`` (its fields are listed in this module's docstring). NaN/inf
+        ratios are reported as ``null``."""
         with self._cond:
             doc = dict(self._status)
             doc["checkpointRequested"] = self._checkpoint_requested or self._stop_requested
@@ -250,11 +268,12 @@ class ControlState:
         """Register a request (and a stop if ``stop``); returns a ticket for :meth:`wait`.
 
         Raises:
-            RuntimeError: the trainer is already ``finished``, ``stopped`` or ``failed``.
+            RuntimeError: the trainer is already ``finished``, ``stopped`` or ``failed`` (the message ends with the
+                failure reason, when there is one).
         """
         with self._cond:
             if self._status["phase"] in _TERMINAL:
-                raise RuntimeError(f"trainer already {self._status['phase']}")
+                raise RuntimeError(f"trainer already {self._status['phase']}{self._because_locked()}")
             self._request_seq += 1
             if stop:
                 self._stop_requested = True
