@@ -2,14 +2,18 @@
 
 - a run interrupted (stop request -> checkpoint) and resumed equals an uninterrupted run bit for bit on CPU;
 - a corrupt newest checkpoint makes resume fall back to the previous one, and the re-trained steps match again;
+- a checkpoint or stop requested at a step with a held-out evaluation due is written before that evaluation, and a
+  resume from it makes the evaluation up (history and adapter bytes equal to an uninterrupted run's);
 - LoRA weights change and base weights do not.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ from safetensors.torch import load_file
 
 from daedalus_trainer.config import parse_job
 from daedalus_trainer.grpo import Trainer, learning_rate_at
+from daedalus_trainer.server import ControlState
 
 from support.jobs import tiny_job_dict
 
@@ -254,3 +259,132 @@ def test_resume_refuses_a_checkpoint_of_another_run_and_allows_more_steps(uninte
     with pytest.raises(CheckpointError, match="the starting point's weights differ"):
         check_same_run(saved, run_identity(job, str(retrained)), "here")
 
+
+
+class _Recorder(ControlState):
+    """The real control state, recording ``(event, value)`` in call order: each phase the loop enters and the step of
+    each checkpoint that answers requests. ``stop_at``: ask for a stop when the loop reports that step trained (what a
+    ``POST /stop`` arriving while that step's update runs does: the loop sees it at that step's end).
+    ``request_when_evaluating``: ask for a checkpoint as the first evaluation starts (its ticket in ``tickets``)."""
+
+    def __init__(self, *, stop_at: int | None = None, request_when_evaluating: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.events: list[tuple[str, object, float]] = []
+        self.stop_at = stop_at
+        self.request_when_evaluating = request_when_evaluating
+        self.tickets: list[int] = []
+
+    def set_status(self, **kwargs):
+        super().set_status(**kwargs)
+        if kwargs.get("phase") is not None:
+            self.events.append(("phase", kwargs["phase"], time.monotonic()))
+        if self.stop_at is not None and kwargs.get("step") == self.stop_at and "success_ratio" in kwargs:
+            self.request_checkpoint(stop=True)
+        if self.request_when_evaluating and kwargs.get("phase") == "evaluating" and not self.tickets:
+            self.tickets.append(self.request_checkpoint())
+
+    def checkpoint_done(self, info, upto=None):
+        super().checkpoint_done(info, upto)
+        self.events.append(("answered", int(info.step), time.monotonic()))
+
+
+def _trainer_state(checkpoint: Path) -> dict:
+    return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+
+
+def test_a_requested_checkpoint_is_answered_before_the_due_evaluation(sft_start, local_ray, tmp_path, monkeypatch):
+    """A POST /checkpoint over real HTTP waits (the operator's, before a node replacement) while step 1 trains, and
+    a held-out evaluation is due at step 1: the checkpoint is committed and the POST answered before the evaluation
+    starts, then the evaluation runs. That checkpoint's history lacks the step's eval_success_ratio and records the
+    evaluation as pending (a resume runs it); the run's own history has it. A second request, arriving during the
+    evaluation, is answered by the same checkpoint (the learner has not changed), not by a second write."""
+    import concurrent.futures
+
+    import requests
+
+    from daedalus_trainer.server import TOKEN_ENV, TrainerServer
+
+    monkeypatch.setenv(TOKEN_ENV, "e2e-token")
+    job = parse_job(tiny_job_dict(algorithm={"steps": 2, "evalIntervalSteps": 1}))
+    control = _Recorder(total_steps=2, request_when_evaluating=True)
+    trainer = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2, control=control, final_eval=False)
+    answered_at: list[float] = []
+
+    def post():
+        r = requests.post(srv.url + "/checkpoint?timeout=300", headers={"Authorization": "Bearer e2e-token"},
+                          timeout=330)
+        answered_at.append(time.monotonic())
+        return r
+
+    with TrainerServer(trainer.metrics, control, host="127.0.0.1", port=0) as srv, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        waiting = pool.submit(post)
+        while not control.checkpoint_requested():
+            assert not waiting.done(), waiting.result().text
+            time.sleep(0.02)
+        result = trainer.train("none")
+        answer = waiting.result(timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["step"] == 1 and answer.json()["path"].endswith("step-000001")
+    order = [(kind, value) for kind, value, _ in control.events]
+    first_eval = order.index(("phase", "evaluating"))
+    assert order.index(("answered", 1)) < first_eval, order
+    assert order[first_eval + 1] == ("phase", "training"), order  # the evaluation, then training goes on
+    eval_ended = control.events[first_eval + 1][2]
+    assert answered_at[0] < eval_ended, "the POST was answered only after the evaluation"
+    during_eval = control.wait(control.tickets[0], timeout=0)
+    assert during_eval is not None and during_eval.error is None and during_eval.step == 1
+    assert result.steps_done == 2 and 0.0 <= result.history[0]["eval_success_ratio"] <= 1.0
+    state = _trainer_state(tmp_path / "checkpoints" / "step-000001")
+    assert [h["step"] for h in state["metric_history"]] == [1]
+    assert "eval_success_ratio" not in state["metric_history"][0]
+    assert state["extra"]["eval_pending_step"] == 1
+
+
+@pytest.fixture(scope="module")
+def evaluated_every_two(sft_start, local_ray, tmp_path_factory):
+    """4 steps, a held-out evaluation after step 2 (not after step 4, the last: final_eval is off), checkpoints at 3
+    and 4: uninterrupted."""
+    job = parse_job(tiny_job_dict(algorithm={"steps": 4, "evalIntervalSteps": 2}))
+    result = Trainer(job, tmp_path_factory.mktemp("eval2"), start_dir=str(sft_start), rollout_workers=2,
+                     final_eval=False).train("latest")
+    return job, result
+
+
+def test_a_stop_at_a_due_evaluation_checkpoints_first_and_resume_runs_it(evaluated_every_two, sft_start, tmp_path):
+    """A stop (POST /stop: a suspend, a deletion, a node replacement) arrives while step 2 trains, and step 2 has a
+    held-out evaluation due: the checkpoint is written and the loop stops without evaluating. The resumed run
+    evaluates step 2's adapter first (greedy on fixed mazes: deterministic), so its per-step history, evaluation
+    included, and its adapter bytes equal the uninterrupted run's."""
+    job, full = evaluated_every_two
+    assert 0.0 <= full.history[1]["eval_success_ratio"] <= 1.0
+    assert all("eval_success_ratio" not in h for i, h in enumerate(full.history) if i != 1)
+    control = _Recorder(total_steps=4, stop_at=2)
+    part1 = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2, control=control,
+                    final_eval=False).train("latest")
+    assert part1.stopped and part1.steps_done == 2 and part1.latest_checkpoint.step == 2
+    assert ("phase", "evaluating") not in [(kind, value) for kind, value, _ in control.events]
+    assert "eval_success_ratio" not in part1.history[-1]
+    state = _trainer_state(tmp_path / "checkpoints" / "step-000002")
+    assert "eval_success_ratio" not in state["metric_history"][-1] and state["extra"]["eval_pending_step"] == 2
+
+    # A checkpoint request waiting as the run resumes is answered by the checkpoint resumed from, before the
+    # evaluation that resume runs.
+    resumed = _Recorder(total_steps=4)
+    ticket = resumed.request_checkpoint()
+    part2 = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2, control=resumed,
+                    final_eval=False).train("latest")
+    assert part2.resumed_from == 2 and part2.steps_done == 4
+    order = [(kind, value) for kind, value, _ in resumed.events]
+    assert order[:4] == [("phase", "starting"), ("answered", 2), ("phase", "evaluating"), ("phase", "training")], \
+        order  # then step 3
+    answer = resumed.wait(ticket, timeout=0)
+    assert answer is not None and answer.step == 2 and answer.path.endswith("step-000002")
+    assert _strip(part2.history) == _strip(full.history)
+    a, b = _adapter(full.adapter_dir), _adapter(part2.adapter_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # the later checkpoints carry the filled-in record and nothing pending
+    state = _trainer_state(tmp_path / "checkpoints" / "step-000004")
+    assert _strip(state["metric_history"]) == _strip(full.history) and "eval_pending_step" not in state["extra"]

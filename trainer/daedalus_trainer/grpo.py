@@ -460,6 +460,11 @@ class Trainer:
         (:func:`~daedalus_trainer.checkpoint.resolve_resume`, as ``daedalus train`` and ``daedalus run`` do for a
         ``--resume PATH`` before Ray starts): it is used as it is, not hashed a second time.
 
+        A checkpoint or stop requested through :attr:`control` (``POST /checkpoint``, ``POST /stop``) is written at
+        the end of the step it reaches; when that step's held-out evaluation (``algorithm.evalIntervalSteps``) is
+        due, before the evaluation, so the caller does not wait for it; a stop then skips it, and the run resuming
+        from that checkpoint evaluates first, so the metric history equals an uninterrupted run's (:meth:`_train`).
+
         Raises:
             daedalus_trainer.checkpoint.CheckpointCorruptError: the checkpoint to resume from fails verification
                 (for ``latest``: checkpoints exist but none verifies), or the final one does at export.
@@ -528,7 +533,18 @@ class Trainer:
                                  else self.job.spec.lora)
 
     def _train(self, manager, loaded, sampler, learner, workers, started: float) -> TrainResult:
-        """The step loop of :meth:`train` on started actors (which the caller kills)."""
+        """The step loop of :meth:`train` on started actors (which the caller kills).
+
+        At the end of step ``s``: the held-out evaluation when it is due (:meth:`_eval_due`), ``on_step``, then the
+        checkpoint on the interval, at the last step, or on request. A checkpoint or stop requested by then at a step
+        whose evaluation is due is written first (committed, and its callers answered, before the evaluation
+        starts: the operator's wait is bounded by ``resilience.checkpointTimeoutSeconds``); a stop then skips the
+        evaluation. Such a checkpoint's history lacks the step's ``eval_success_ratio`` and its
+        ``TrainerState.extra["eval_pending_step"]`` is ``s``: a run resuming from it evaluates step ``s``'s adapter
+        first (greedy on the fixed held-out mazes, the same episodes in the same batches: on CPU the same ratio as
+        the uninterrupted run) and fills it in, unless a stop is already waiting or the evaluation is no longer due
+        under the resumed job's ``evalIntervalSteps``/``steps``. A periodic checkpoint still follows the evaluation.
+        """
         import ray
 
         from daedalus_trainer.checkpoint import TrainerState, capture_rng_state, export_adapter
@@ -566,6 +582,7 @@ class Trainer:
                             "same policy, with other random draws, so the run continues, but not bit-for-bit",
                             rollout_engine, before_engine)
         resumed_from = step if loaded is not None else None
+        pending_eval = loaded.trainer_state.extra.get("eval_pending_step") if loaded is not None else None
 
         # The requests each queued save answers: those received before it was queued (a request that arrives while
         # an older save is still being written waits for the next one, which holds the state it asked for).
@@ -589,17 +606,38 @@ class Trainer:
             nonlocal saved_step
             # Every random draw comes from per-step seeds (mazes: (seed, step, index); sampling: step_seed), so the
             # sampler state is the step; the global RNG states are recorded for completeness.
+            extra = {"rollout_workers": len(workers), "rollout_engine": rollout_engine, "identity": self._identity}
+            if self._eval_due(step_now) and history and history[-1]["step"] == step_now \
+                    and "eval_success_ratio" not in history[-1]:
+                extra["eval_pending_step"] = step_now  # written before its due evaluation: a resume runs it
+            # The records are copied: the writer thread serialises them after this returns, and a ratio added to
+            # a live record later (its step's evaluation, after a save on request) must not reach the file.
             state = TrainerState(sampler={"seed": algo.seed, "next_step": step_now}, rng=capture_rng_state(),
-                                 metric_history=list(history),
-                                 extra={"rollout_workers": len(workers), "rollout_engine": rollout_engine,
-                                        "identity": self._identity})
+                                 metric_history=[dict(h) for h in history], extra=extra)
             covers[step_now] = self.control.request_seq()
             checkpointer.save(step_now, learner, state)
             saved_step = step_now
-            if wait:
-                checkpointer.settle(final=True)
+            if wait:  # a failed write was reported through on_failed (its callers get 500); training goes on
+                checkpointer.settle()
+
+        def answer_or_save(step_now: int) -> None:
+            # This step was saved before its evaluation; a request that came in since is answered by that
+            # checkpoint (the learner has not changed), or, if its write failed, by a new one.
+            committed = checkpointer.settle()
+            if committed is not None and committed.step == step_now:
+                self.control.checkpoint_done(committed)
+            else:
+                save(step_now)
 
         saved_step = step if loaded is not None else -1
+        if (pending_eval == step and self._eval_due(step) and history and history[-1]["step"] == step
+                and "eval_success_ratio" not in history[-1] and not self.control.stop_requested()):
+            # The checkpoint was written before its step's due evaluation (on request, or before a stop): evaluate
+            # the same adapter now, so the history is the uninterrupted run's. A checkpoint request already waiting
+            # is answered first, by the checkpoint resumed from (the learner's state is that one).
+            if self.control.checkpoint_requested():
+                self.control.checkpoint_done(latest)
+            history[-1] = {**history[-1], "eval_success_ratio": self._evaluate(learner, workers, step)}
         self.control.set_status(phase="training", step=step)
         stopped = False
         try:
@@ -638,14 +676,22 @@ class Trainer:
                     learner_seconds=update.seconds, kl=update.kl, loss=update.loss, grad_norm=update.grad_norm))
                 self.control.set_status(step=step, success_ratio=record["success_ratio"],
                                         reward_mean=record["reward_mean"])
-                if algo.eval_interval_steps and step % algo.eval_interval_steps == 0 and step < algo.steps:
-                    record["eval_success_ratio"] = self._evaluate(learner, workers, step)
+                if self._eval_due(step):
+                    if self.control.checkpoint_requested():
+                        # The operator's checkpoint (before a node replacement) or stop (suspend, deletion) does not
+                        # wait for the evaluation (minutes on a GPU model): committed and answered before it.
+                        save(step, wait=True)
+                    if not self.control.stop_requested():
+                        record["eval_success_ratio"] = self._evaluate(learner, workers, step)
                 if self.on_step:
                     self.on_step(record)
                 # checkpoint on the interval, on request (operator before a node replacement), at the end, before a stop
                 if (step % ck.interval_steps == 0 or step == algo.steps or self.control.checkpoint_requested()
                         or self.control.stop_requested()):
-                    save(step)
+                    if saved_step == step:
+                        answer_or_save(step)  # saved before the evaluation; a request may have come in since
+                    else:
+                        save(step)
             if not stopped and self.control.checkpoint_requested() and saved_step != step:
                 save(step)  # a request that arrived after the last step
         except BaseException:
@@ -664,6 +710,12 @@ class Trainer:
             self.control.checkpoint_done(latest)
         self.control.set_status(phase="stopped" if stopped else "finished")
         return TrainResult(step, resumed_from, latest, adapter_dir, history, stopped, time.perf_counter() - started)
+
+    def _eval_due(self, step: int) -> bool:
+        """Whether a held-out evaluation follows step ``step`` (1-based): every ``algorithm.evalIntervalSteps``
+        steps, but not after the last one (``final_eval`` covers it)."""
+        algo = self.job.spec.algorithm
+        return bool(algo.eval_interval_steps) and step % algo.eval_interval_steps == 0 and step < algo.steps
 
     def _evaluate(self, learner, workers, step: int) -> float:
         """Greedy success ratio of the current adapter on the held-out mazes, spread over the rollout workers."""
