@@ -11,10 +11,12 @@ Routes:
   ``failureReason`` is why the run failed, ``"<ExceptionType>: <first line>"``, while ``phase`` is ``failed``, else
   ``null``; every field served is listed here, which a test checks against a running server).
 - ``POST /checkpoint[?timeout=SECONDS]``: ask for a checkpoint at the next step boundary and wait (default 300 s)
-  until it is written: ``200 {step, path, time}``. ``timeout=0`` returns ``202`` at once.
+  until it is written: ``200 {step, path, time}``. ``timeout=0`` returns ``202`` at once. When a held-out evaluation
+  (``algorithm.evalIntervalSteps``) is due at that boundary, the checkpoint is written and answered before it.
 - ``POST /stop[?timeout=SECONDS]``: ask the loop to checkpoint and exit cleanly; waits like ``/checkpoint`` and
-  returns ``200 {step, path, time, stopping: true}`` once the final checkpoint is written. The operator calls it
-  before stopping the Ray job (DESIGN §3, HyperPod node replacement).
+  returns ``200 {step, path, time, stopping: true}`` once the final checkpoint is written (an evaluation due at that
+  boundary is skipped; the resumed run makes it up before its first step). The operator calls it before stopping
+  the Ray job (DESIGN §3, HyperPod node replacement).
 
 ``POST`` routes require ``Authorization: Bearer <token>``; the token comes from ``DAEDALUS_CONTROL_TOKEN`` or the
 file named by ``DAEDALUS_CONTROL_TOKEN_FILE`` (the operator's Secret), is compared in constant time
