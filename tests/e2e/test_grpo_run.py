@@ -341,6 +341,26 @@ def test_a_requested_checkpoint_is_answered_before_the_due_evaluation(sft_start,
     assert state["extra"]["eval_pending_step"] == 1
 
 
+def test_a_requested_checkpoint_on_the_interval_is_written_again_with_the_evaluation(sft_start, local_ray, tmp_path):
+    """A checkpoint request at step 1, which has a held-out evaluation due and is also on the checkpoint interval:
+    the request is answered before the evaluation (by the step-1 checkpoint without the ratio), then step 1 is
+    written again with the ratio, so a resume from it does not evaluate a second time (no pending marker)."""
+    job = parse_job(tiny_job_dict(algorithm={"steps": 2, "evalIntervalSteps": 1}, checkpoint={"intervalSteps": 1}))
+    control = _Recorder(total_steps=2)
+    ticket = control.request_checkpoint()
+    result = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2, control=control,
+                     final_eval=False).train("none")
+    order = [(kind, value) for kind, value, _ in control.events]
+    assert order.index(("answered", 1)) < order.index(("phase", "evaluating")), order
+    answer = control.wait(ticket, timeout=0)
+    assert answer is not None and answer.error is None and answer.step == 1
+    ratio = result.history[0]["eval_success_ratio"]
+    assert 0.0 <= ratio <= 1.0
+    state = _trainer_state(tmp_path / "checkpoints" / "step-000001")
+    assert state["metric_history"][0]["eval_success_ratio"] == ratio
+    assert "eval_pending_step" not in state["extra"]
+
+
 @pytest.fixture(scope="module")
 def evaluated_every_two(sft_start, local_ray, tmp_path_factory):
     """4 steps, a held-out evaluation after step 2 (not after step 4, the last: final_eval is off), checkpoints at 3

@@ -510,3 +510,41 @@ def test_rotated_token_file_takes_effect_without_restart(server: TrainerServer, 
     assert requests.post(server.url + "/checkpoint?timeout=0", headers=AUTH, timeout=5).status_code == 401
     r = requests.post(server.url + "/checkpoint?timeout=20", headers={"Authorization": "Bearer rotated"}, timeout=30)
     assert r.status_code == 200 and json.loads(r.text)["step"] > 0
+
+
+def _raised(exc: BaseException) -> tuple[BaseException, str]:
+    """``exc`` raised and caught, with its formatted traceback (what Ray ships from the actor's process)."""
+    import traceback
+
+    try:
+        raise exc
+    except BaseException as caught:  # noqa: BLE001 - any exception, as an actor would ship it
+        return caught, traceback.format_exc()
+
+
+def test_failure_reason_describes_what_an_actor_raised_not_rays_wrapper() -> None:
+    """Ray wraps an actor method's exception in ``RayTaskError(<Type>)`` whose first line is Ray's header (process
+    title, pid, ip), and an ``__init__``'s in ``ActorDiedError``: ``failureReason`` names the actor's exception and
+    its message. The wrappers are Ray's own classes, built as ``ray.get`` builds them."""
+    import ray.exceptions
+
+    from daedalus_trainer.actors import RolloutEngineUnavailable
+    from daedalus_trainer.grpo import failure_reason
+
+    cause, tb = _raised(ValueError("rewards must be finite, got nan.\nsecond line"))
+    wrapped = ray.exceptions.RayTaskError("ray::Learner.update()", tb, cause, pid=12, ip="10.0.0.1")
+    method_error = wrapped.as_instanceof_cause()
+    assert "pid=12" in str(method_error).splitlines()[0]  # Ray's header: what error_reason alone would quote
+    assert failure_reason(method_error) == "ValueError: rewards must be finite, got nan"
+
+    cause, tb = _raised(RolloutEngineUnavailable("algorithm.rolloutEngine is vllm but this rollout worker cannot "
+                                                 "run vLLM: no CUDA GPU is visible to the rollout worker."))
+    init = ray.exceptions.RayTaskError("ray::RolloutWorker.__init__()", tb, cause, pid=13, ip="10.0.0.1")
+    assert failure_reason(ray.exceptions.ActorDiedError(cause=init)) == (
+        "ActorDiedError: RolloutEngineUnavailable: algorithm.rolloutEngine is vllm but this rollout worker cannot "
+        "run vLLM: no CUDA GPU is visible to the rollout worker")
+
+    # a system-level death (no traceback inside), and plain exceptions, as error_reason words them
+    assert failure_reason(ray.exceptions.ActorDiedError()).startswith("ActorDiedError: The actor died unexpectedly")
+    assert failure_reason(KeyboardInterrupt()) == "KeyboardInterrupt: KeyboardInterrupt"
+    assert failure_reason(OSError(28, "No space left on device")) == "OSError: [Errno 28] No space left on device"

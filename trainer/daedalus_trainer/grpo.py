@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -399,6 +400,37 @@ class CheckpointWriter:
             self._writer.shutdown(wait=True)
 
 
+#: The last line of a Python traceback: ``"<dotted.ExceptionType>: <message>"``.
+_TRACEBACK_LAST = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Unavailable|Interrupt|Exit)): (.+)$")
+#: ANSI colour escapes, which Ray puts in the messages of its wrappers when stderr is a terminal.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line saying why training failed: ``"<ExceptionType>: <first line of its message>"`` (``/status``'s
+    ``failureReason``, the 409 answer to a waiting ``POST /checkpoint``).
+
+    Ray wraps what an actor raises: a method's exception arrives as ``RayTaskError(<Type>)`` whose first line is
+    only Ray's header (``ray::Learner.update() (pid=..., ip=...)``), so its ``cause`` (the actor's exception) is
+    described instead; an exception in an actor's ``__init__`` arrives as ``ActorDiedError`` whose message embeds the
+    creation task's traceback, so that traceback's last ``"<Type>: <message>"`` line is used (e.g.
+    ``"RolloutEngineUnavailable: algorithm.rolloutEngine is vllm but ..."``). Other exceptions, and a wrapper
+    without either, as :func:`~daedalus_trainer.checkpoint.error_reason`. Never raises.
+    """
+    from daedalus_trainer.checkpoint import error_reason
+
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and type(exc).__name__.startswith("RayTaskError"):
+        return failure_reason(cause)
+    if type(exc).__name__ in ("RayActorError", "ActorDiedError"):
+        lines = [_ANSI.sub("", line).strip() for line in str(exc).splitlines()]
+        found = [m for m in map(_TRACEBACK_LAST.match, lines) if m]
+        if found:
+            name, message = found[-1].groups()
+            return f"{type(exc).__name__}: {name.rsplit('.', 1)[-1]}: {message.rstrip('.')}"
+    return f"{type(exc).__name__}: {_ANSI.sub('', error_reason(exc))}"
+
+
 class Trainer:
     """Runs GRPO for one job: Ray actors for rollouts and learning, checkpoints, metrics and the control endpoint.
 
@@ -478,12 +510,11 @@ class Trainer:
                 what one of its methods raised (the caller's process exits non-zero; the operator resubmits).
 
         Whatever it raises (``KeyboardInterrupt`` included), the control phase is set to ``failed`` with
-        ``failureReason`` ``"<ExceptionType>: <first line of its message>"`` first, once the queued checkpoint
+        ``failureReason`` (:func:`failure_reason`: ``"<ExceptionType>: <first line of its message>"``, that of the
+        exception an actor raised for Ray's wrappers) first, once the queued checkpoint
         writes have landed: a ``POST /checkpoint`` or ``/stop`` waiting on :attr:`control` is answered 409 with that
         reason at once, on a cluster (``daedalus train``) as in a local run (``daedalus run``).
         """
-        from daedalus_trainer.checkpoint import error_reason
-
         started = time.perf_counter()
         self.control.set_status(phase="starting", total_steps=self.job.spec.algorithm.steps)
         try:
@@ -491,7 +522,7 @@ class Trainer:
         except BaseException as exc:
             # Before the exception leaves: a POST /checkpoint or /stop waiting on the control state gets 409 with
             # the reason now, rather than its timeout (504), and /status says why.
-            self.control.set_status(phase="failed", failure_reason=f"{type(exc).__name__}: {error_reason(exc)}")
+            self.control.set_status(phase="failed", failure_reason=failure_reason(exc))
             raise
 
     def _start_and_train(self, resume: str | LoadedCheckpoint, started: float) -> TrainResult:
@@ -543,7 +574,9 @@ class Trainer:
         ``TrainerState.extra["eval_pending_step"]`` is ``s``: a run resuming from it evaluates step ``s``'s adapter
         first (greedy on the fixed held-out mazes, the same episodes in the same batches: on CPU the same ratio as
         the uninterrupted run) and fills it in, unless a stop is already waiting or the evaluation is no longer due
-        under the resumed job's ``evalIntervalSteps``/``steps``. A periodic checkpoint still follows the evaluation.
+        under the resumed job's ``evalIntervalSteps``/``steps``. A periodic checkpoint still follows the evaluation: a
+        step saved before it on request that is also on the interval (or gets a stop during the evaluation) is
+        written again with the ratio.
         """
         import ray
 
@@ -620,11 +653,15 @@ class Trainer:
             if wait:  # a failed write was reported through on_failed (its callers get 500); training goes on
                 checkpointer.settle()
 
-        def answer_or_save(step_now: int) -> None:
+        def answer_or_save(step_now: int, durable: bool) -> None:
             # This step was saved before its evaluation; a request that came in since is answered by that
-            # checkpoint (the learner has not changed), or, if its write failed, by a new one.
+            # checkpoint (the learner has not changed), or, if its write failed, by a new one. When the evaluation
+            # has run since and the step's checkpoint is the one a resume will start from (``durable``: the
+            # interval's, the last step's, a stop's), it is written again with the ratio: a resume from the
+            # pre-evaluation one would run the evaluation (minutes on a GPU model) a second time.
             committed = checkpointer.settle()
-            if committed is not None and committed.step == step_now:
+            evaluated = "eval_success_ratio" in history[-1]
+            if committed is not None and committed.step == step_now and not (durable and evaluated):
                 self.control.checkpoint_done(committed)
             else:
                 save(step_now)
@@ -638,6 +675,8 @@ class Trainer:
             if self.control.checkpoint_requested():
                 self.control.checkpoint_done(latest)
             history[-1] = {**history[-1], "eval_success_ratio": self._evaluate(learner, workers, step)}
+            if self.control.checkpoint_requested():  # one that came in during the evaluation: the same answer
+                self.control.checkpoint_done(latest)
         self.control.set_status(phase="training", step=step)
         stopped = False
         try:
@@ -688,8 +727,9 @@ class Trainer:
                 # checkpoint on the interval, on request (operator before a node replacement), at the end, before a stop
                 if (step % ck.interval_steps == 0 or step == algo.steps or self.control.checkpoint_requested()
                         or self.control.stop_requested()):
-                    if saved_step == step:
-                        answer_or_save(step)  # saved before the evaluation; a request may have come in since
+                    if saved_step == step:  # saved before the evaluation; a request may have come in since
+                        answer_or_save(step, durable=step % ck.interval_steps == 0 or step == algo.steps
+                                       or self.control.stop_requested())
                     else:
                         save(step)
             if not stopped and self.control.checkpoint_requested() and saved_step != step:
