@@ -919,7 +919,8 @@ def deletion_fields(status: Any) -> DeletionFields:
     mapping or ``None``), each read on its own: a status whose *other* fields this operator cannot read (a value of
     another operator version; :func:`read_status` refuses the whole of it) still tells the finalizer whether a
     trainer runs. A phase that is not one of :class:`~daedalus_operator.api.Phase` (a newer version's, or not a
-    string) and a ``submissionId`` that is not a string are reported in ``problem``; a missing phase is ``Pending``.
+    string) and, in a phase whose trainer runs (:data:`CHECKPOINT_ON_DELETE_PHASES`), a ``submissionId`` that is not
+    a string are reported in ``problem``; a missing phase is ``Pending``.
     Never raises."""
     if status is None:
         status = {}
@@ -937,7 +938,7 @@ def deletion_fields(status: Any) -> DeletionFields:
                         f"(it holds {_held(raw_phase)})")
     raw_sid = status.get("submissionId")
     sid = raw_sid if isinstance(raw_sid, str) and raw_sid else None
-    if raw_sid is not None and not isinstance(raw_sid, str):
+    if raw_sid is not None and not isinstance(raw_sid, str) and (phase is None or phase in CHECKPOINT_ON_DELETE_PHASES):
         problems.append(f"status.submissionId is not a string (it holds {_held(raw_sid)})")
     confirmed = status.get("submissionConfirmed")
     return DeletionFields(phase, sid, confirmed if isinstance(confirmed, bool) else False,

@@ -540,9 +540,11 @@ def test_an_unconfirmed_submission_with_an_unanswering_dashboard_is_not_waited_f
     ({"phase": "Preempted", "submissionId": "j-a1"}, None, "j-a1", False, "status.phase is not a phase"),
     ({"phase": ["Running"], "submissionId": "j-a1"}, None, "j-a1", False, "(it holds ['Running'])"),
     ({"phase": "Running", "submissionId": 7}, "Running", None, False, "status.submissionId is not a string"),
+    # no trainer runs in a finished phase: nothing to warn about
+    ({"phase": "Succeeded", "submissionId": 7}, "Succeeded", None, False, None),
     ("Running", None, None, False, "status is not an object (it holds 'Running')"),
 ], ids=["none", "empty", "running", "other-fields-invalid", "confirmed-not-bool", "unknown-phase", "phase-list",
-        "sid-int", "not-a-mapping"])
+        "sid-int", "sid-int-succeeded", "not-a-mapping"])
 def test_deletion_fields_reads_each_field_on_its_own(status, phase, sid, confirmed, problem) -> None:
     from daedalus_operator.handlers import deletion_fields, read_status
 
