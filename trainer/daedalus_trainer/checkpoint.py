@@ -548,7 +548,9 @@ def _make_dirs(path: Path) -> list[Path]:
         except FileExistsError:
             if not directory.is_dir():
                 raise
-            continue  # made meanwhile by another process, which flushes its own entry
+            # made meanwhile by another process, which may have died before flushing its entry: flushed here too
+            _fsync_path(directory.parent, directory=True)
+            continue
         _fsync_path(directory.parent, directory=True)
         created.append(directory)
     return created
