@@ -191,6 +191,20 @@ def test_vllm_max_lora_rank_is_rounded_up_to_what_vllm_accepts():
             vllm_max_lora_rank(bad)
 
 
+def test_the_served_rank_covers_a_rank_pattern():
+    """A PEFT adapter whose ``rank_pattern`` gives some modules a larger rank than ``r`` needs vLLM buffers of that
+    larger rank: the config PEFT itself writes for such an adapter is read."""
+    from peft import LoraConfig
+
+    from daedalus_trainer.policy import adapter_config_dict
+    from daedalus_trainer.rollout.vllm_engine import adapter_max_rank
+
+    plain = adapter_config_dict(LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    patterned = adapter_config_dict(LoraConfig(r=16, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 48}))
+    assert adapter_max_rank(plain) == 16
+    assert adapter_max_rank(patterned) == 48
+
+
 def test_a_rollout_worker_on_vllm_samples_with_the_published_adapter(fake_vllm, tmp_path):
     """The worker's vLLM path end to end on the stand-in: ``auto`` picks vLLM where CUDA, a GPU share and vLLM are
     there; the worker serves the tiny base with 0.9 of its share; the adapter the learner publishes (tensors only)

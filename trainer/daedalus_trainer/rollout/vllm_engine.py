@@ -67,6 +67,13 @@ def vllm_max_lora_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} cannot be served by vLLM (max_lora_rank is one of {VLLM_MAX_LORA_RANKS})")
 
 
+def adapter_max_rank(adapter_config: dict[str, Any]) -> int:
+    """The largest LoRA rank in a PEFT ``adapter_config.json`` (a dict): ``r``, or a larger one some modules get
+    through ``rank_pattern`` (PEFT ``LoraConfig.rank_pattern``: module-name pattern -> rank)."""
+    pattern = adapter_config.get("rank_pattern") or {}
+    return max([int(adapter_config["r"]), *(int(r) for r in pattern.values())])
+
+
 class VLLMEngine:
     """:class:`~daedalus_trainer.rollout.engine.RolloutEngine` on vLLM's offline ``LLM``.
 
@@ -77,7 +84,7 @@ class VLLMEngine:
             adapter_config_dict`) written next to adapters given as tensors. None: that of the last adapter loaded
             from a directory (one must be loaded first).
         max_lora_rank: largest adapter rank to serve, rounded up to a value vLLM accepts (:func:`vllm_max_lora_rank`);
-            None: ``adapter_config["r"]``, or 64 without a config.
+            None: the config's largest rank (:func:`adapter_max_rank`), or 64 without a config.
         dtype: ``bfloat16`` (default), ``float16`` or ``float32``.
         gpu_memory_utilization: fraction (0-1] of each GPU's memory vLLM may take (weights, activations, KV cache).
         max_model_len: context length in tokens (prompt, image tokens included, plus the reply).
@@ -126,7 +133,7 @@ class VLLMEngine:
         self.suppressed_token_ids = sorted(vocab[t] for t in VISION_SPECIAL_TOKENS if t in vocab)
         self.stop_token_ids = sorted({vocab[t] for t in (IM_END, ENDOFTEXT) if t in vocab})
         if max_lora_rank is None:
-            max_lora_rank = int(adapter_config["r"]) if adapter_config else 64
+            max_lora_rank = adapter_max_rank(adapter_config) if adapter_config else 64
         #: The ``max_lora_rank`` given to vLLM.
         self.max_lora_rank = vllm_max_lora_rank(max_lora_rank)
         self.llm = vllm.LLM(
