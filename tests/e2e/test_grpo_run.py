@@ -265,13 +265,16 @@ class _Recorder(ControlState):
     """The real control state, recording ``(event, value)`` in call order: each phase the loop enters and the step of
     each checkpoint that answers requests. ``stop_at``: ask for a stop when the loop reports that step trained (what a
     ``POST /stop`` arriving while that step's update runs does: the loop sees it at that step's end).
-    ``request_when_evaluating``: ask for a checkpoint as the first evaluation starts (its ticket in ``tickets``)."""
+    ``request_when_evaluating``: ask for a checkpoint as the first evaluation starts (its ticket in ``tickets``);
+    ``stop_when_evaluating``: ask for a stop then."""
 
-    def __init__(self, *, stop_at: int | None = None, request_when_evaluating: bool = False, **kwargs):
+    def __init__(self, *, stop_at: int | None = None, request_when_evaluating: bool = False,
+                 stop_when_evaluating: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.events: list[tuple[str, object, float]] = []
         self.stop_at = stop_at
-        self.request_when_evaluating = request_when_evaluating
+        self.request_when_evaluating = request_when_evaluating or stop_when_evaluating
+        self.stop_when_evaluating = stop_when_evaluating
         self.tickets: list[int] = []
 
     def set_status(self, **kwargs):
@@ -281,7 +284,7 @@ class _Recorder(ControlState):
         if self.stop_at is not None and kwargs.get("step") == self.stop_at and "success_ratio" in kwargs:
             self.request_checkpoint(stop=True)
         if self.request_when_evaluating and kwargs.get("phase") == "evaluating" and not self.tickets:
-            self.tickets.append(self.request_checkpoint())
+            self.tickets.append(self.request_checkpoint(stop=self.stop_when_evaluating))
 
     def checkpoint_done(self, info, upto=None):
         super().checkpoint_done(info, upto)
@@ -297,7 +300,7 @@ def test_a_requested_checkpoint_is_answered_before_the_due_evaluation(sft_start,
     a held-out evaluation is due at step 1: the checkpoint is committed and the POST answered before the evaluation
     starts, then the evaluation runs. That checkpoint's history lacks the step's eval_success_ratio and records the
     evaluation as pending (a resume runs it); the run's own history has it. A second request, arriving during the
-    evaluation, is answered by the same checkpoint (the learner has not changed), not by a second write."""
+    evaluation, is answered at once by the same checkpoint (the learner has not changed), not by a second write."""
     import concurrent.futures
 
     import requests
@@ -329,7 +332,8 @@ def test_a_requested_checkpoint_is_answered_before_the_due_evaluation(sft_start,
     order = [(kind, value) for kind, value, _ in control.events]
     first_eval = order.index(("phase", "evaluating"))
     assert order.index(("answered", 1)) < first_eval, order
-    assert order[first_eval + 1] == ("phase", "training"), order  # the evaluation, then training goes on
+    # the request made as the evaluation started is answered during it, by step 1's checkpoint; then training
+    assert order[first_eval + 1:first_eval + 3] == [("answered", 1), ("phase", "training")], order
     eval_ended = control.events[first_eval + 1][2]
     assert answered_at[0] < eval_ended, "the POST was answered only after the evaluation"
     during_eval = control.wait(control.tickets[0], timeout=0)
@@ -408,3 +412,47 @@ def test_a_stop_at_a_due_evaluation_checkpoints_first_and_resume_runs_it(evaluat
     # the later checkpoints carry the filled-in record and nothing pending
     state = _trainer_state(tmp_path / "checkpoints" / "step-000004")
     assert _strip(state["metric_history"]) == _strip(full.history) and "eval_pending_step" not in state["extra"]
+
+
+def test_a_checkpoint_requested_during_the_evaluation_is_answered_before_it_ends(sft_start, local_ray, tmp_path):
+    """A checkpoint request (a HyperPod reboot's, bounded by checkpointTimeoutSeconds) arrives as step 1's held-out
+    evaluation starts, with none before it: step 1's checkpoint is written and the request answered while the rollout
+    workers evaluate, not after; that checkpoint records the evaluation as pending, and the run's own history has
+    its ratio."""
+    job = parse_job(tiny_job_dict(algorithm={"steps": 2, "evalIntervalSteps": 1}))
+    control = _Recorder(total_steps=2, request_when_evaluating=True)
+    result = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2, control=control,
+                     final_eval=False).train("none")
+    order = [(kind, value) for kind, value, _ in control.events]
+    first_eval = order.index(("phase", "evaluating"))
+    assert order[first_eval + 1:first_eval + 3] == [("answered", 1), ("phase", "training")], order
+    answer = control.wait(control.tickets[0], timeout=0)
+    assert answer is not None and answer.error is None and answer.step == 1
+    assert result.steps_done == 2 and 0.0 <= result.history[0]["eval_success_ratio"] <= 1.0
+    state = _trainer_state(tmp_path / "checkpoints" / "step-000001")
+    assert "eval_success_ratio" not in state["metric_history"][0] and state["extra"]["eval_pending_step"] == 1
+
+
+def test_a_stop_during_the_evaluation_abandons_it_and_resume_runs_it(evaluated_every_two, sft_start, tmp_path):
+    """A stop arriving as step 2's held-out evaluation starts: step 2 is checkpointed and the stop answered during
+    the evaluation, which is abandoned (the run stops without its ratio). The resumed run evaluates step 2 first, so
+    its history, evaluation included, and its adapter bytes equal the uninterrupted run's."""
+    job, full = evaluated_every_two
+    control = _Recorder(total_steps=4, stop_when_evaluating=True)
+    part1 = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2, control=control,
+                    final_eval=False).train("latest")
+    assert part1.stopped and part1.steps_done == 2 and part1.latest_checkpoint.step == 2
+    order = [(kind, value) for kind, value, _ in control.events]
+    first_eval = order.index(("phase", "evaluating"))
+    assert order[first_eval + 1:first_eval + 3] == [("answered", 2), ("phase", "training")], order
+    assert "eval_success_ratio" not in part1.history[-1]
+    answer = control.wait(control.tickets[0], timeout=0)
+    assert answer is not None and answer.error is None and answer.step == 2
+    state = _trainer_state(tmp_path / "checkpoints" / "step-000002")
+    assert state["extra"]["eval_pending_step"] == 2
+
+    part2 = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2, final_eval=False).train("latest")
+    assert part2.resumed_from == 2 and part2.steps_done == 4
+    assert _strip(part2.history) == _strip(full.history)
+    a, b = _adapter(full.adapter_dir), _adapter(part2.adapter_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

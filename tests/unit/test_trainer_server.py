@@ -405,14 +405,17 @@ def test_a_request_during_an_older_save_is_answered_by_the_next_one(control: Con
     control.checkpoint_done(SimpleNamespace(step=10, path="/c/step-000010", time=1.0e9), upto=covers)
     assert control.wait(first, timeout=0.1).step == 10
     assert control.wait(later, timeout=0.1) is None  # still pending
-    assert control.checkpoint_requested() and control.stop_requested()
+    assert control.checkpoint_requested() and control.stop_requested() and control.unanswered()
     assert control.status()["latestCheckpoint"]["step"] == 10
     control.checkpoint_failed("older write failed", upto=covers)  # a failure of an older write: not this request's
     assert control.wait(later, timeout=0.1) is None and control.checkpoint_requested()
     control.checkpoint_done(SimpleNamespace(step=11, path="/c/step-000011", time=1.0e9 + 5),
                             upto=control.request_seq())
     assert control.wait(later, timeout=0.1).step == 11
+    # answered: nothing left for an evaluation in progress to answer, though the stop's flag stays up
+    assert not control.unanswered() and control.checkpoint_requested()
     third = control.request_checkpoint()
+    assert control.unanswered()
     control.checkpoint_failed("disk full", upto=control.request_seq())
     assert control.wait(third, timeout=0.1).error == "disk full"
     assert control.status()["checkpointRequested"] and control.stop_requested()  # the stop still stands

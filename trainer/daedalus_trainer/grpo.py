@@ -263,6 +263,9 @@ def grpo_loss(
 
 log = logging.getLogger("daedalus.grpo")
 
+#: How often (seconds) a held-out evaluation in progress looks for a checkpoint or stop request to answer.
+EVAL_POLL_SECONDS = 0.2
+
 #: Share of unparseable replies in a step above which the trainer warns that the action format has collapsed.
 FORMAT_COLLAPSE_RATIO = 0.5
 
@@ -570,10 +573,11 @@ class Trainer:
         checkpoint on the interval, at the last step, or on request. A checkpoint or stop requested by then at a step
         whose evaluation is due is written first (committed, and its callers answered, before the evaluation
         starts: the operator's wait is bounded by ``resilience.checkpointTimeoutSeconds``); a stop then skips the
-        evaluation. Such a checkpoint's history lacks the step's ``eval_success_ratio`` and its
-        ``TrainerState.extra["eval_pending_step"]`` is ``s``: a run resuming from it evaluates step ``s``'s adapter
-        first (greedy on the fixed held-out mazes, the same episodes in the same batches: on CPU the same ratio as
-        the uninterrupted run) and fills it in, unless a stop is already waiting or the evaluation is no longer due
+        evaluation. One requested during the evaluation is written and answered at once (the learner is idle while
+        the rollout workers evaluate), and a stop then abandons the evaluation. Such a checkpoint's history lacks the
+        step's ``eval_success_ratio`` and its ``TrainerState.extra["eval_pending_step"]`` is ``s``: a run resuming
+        from it evaluates step ``s``'s adapter first (greedy on the fixed held-out mazes, the same episodes in the
+        same batches: on CPU the same ratio as the uninterrupted run) and fills it in, unless a stop is already waiting or the evaluation is no longer due
         under the resumed job's ``evalIntervalSteps``/``steps``. A periodic checkpoint still follows the evaluation: a
         step saved before it on request that is also on the interval (or gets a stop during the evaluation) is
         written again with the ratio.
@@ -666,6 +670,16 @@ class Trainer:
             else:
                 save(step_now)
 
+        def answer_during_eval(step_now: int) -> bool:
+            # A checkpoint or stop requested while step ``step_now``'s evaluation runs on the rollout workers (the
+            # learner is idle): written now (with the evaluation pending) and answered, or answered by the step's
+            # checkpoint already written; a stop then abandons the evaluation (a resume runs it).
+            if saved_step == step_now:
+                answer_or_save(step_now, durable=False)
+            else:
+                save(step_now, wait=True)
+            return self.control.stop_requested()
+
         saved_step = step if loaded is not None else -1
         if (pending_eval == step and self._eval_due(step) and history and history[-1]["step"] == step
                 and "eval_success_ratio" not in history[-1] and not self.control.stop_requested()):
@@ -674,9 +688,16 @@ class Trainer:
             # is answered first, by the checkpoint resumed from (the learner's state is that one).
             if self.control.checkpoint_requested():
                 self.control.checkpoint_done(latest)
-            history[-1] = {**history[-1], "eval_success_ratio": self._evaluate(learner, workers, step)}
-            if self.control.checkpoint_requested():  # one that came in during the evaluation: the same answer
+
+            def answer_resumed() -> bool:
+                # one that comes in during the evaluation: the same answer, at once; a stop abandons the evaluation
+                # (the checkpoint still records it as pending)
                 self.control.checkpoint_done(latest)
+                return self.control.stop_requested()
+
+            ratio = self._evaluate(learner, workers, step, on_request=answer_resumed)
+            if ratio is not None:
+                history[-1] = {**history[-1], "eval_success_ratio": ratio}
         self.control.set_status(phase="training", step=step)
         stopped = False
         try:
@@ -721,7 +742,9 @@ class Trainer:
                         # wait for the evaluation (minutes on a GPU model): committed and answered before it.
                         save(step, wait=True)
                     if not self.control.stop_requested():
-                        record["eval_success_ratio"] = self._evaluate(learner, workers, step)
+                        ratio = self._evaluate(learner, workers, step, on_request=lambda: answer_during_eval(step))
+                        if ratio is not None:  # None: a stop came in during it, after this step's checkpoint
+                            record["eval_success_ratio"] = ratio
                 if self.on_step:
                     self.on_step(record)
                 # checkpoint on the interval, on request (operator before a node replacement), at the end, before a stop
@@ -739,7 +762,12 @@ class Trainer:
             raise
         latest = checkpointer.close()  # the last checkpoint must be on disk before exporting or exiting
         if not stopped and self.final_eval and step == algo.steps:
-            self.final_eval_success = self._evaluate(learner, workers, step)
+            def answer_final() -> bool:
+                if latest is not None and latest.step == step:  # the last step's checkpoint: it is the answer
+                    self.control.checkpoint_done(latest)
+                return False  # the run is over; its evaluation ends it (a request left unanswered gets 409 then)
+
+            self.final_eval_success = self._evaluate(learner, workers, step, on_request=answer_final)
         adapter_dir = None
         if not stopped and latest is not None:
             adapter_dir = export_adapter(latest, self.run_dir / "exports" / "adapter")
@@ -757,8 +785,17 @@ class Trainer:
         algo = self.job.spec.algorithm
         return bool(algo.eval_interval_steps) and step % algo.eval_interval_steps == 0 and step < algo.steps
 
-    def _evaluate(self, learner, workers, step: int) -> float:
-        """Greedy success ratio of the current adapter on the held-out mazes, spread over the rollout workers."""
+    def _evaluate(self, learner, workers, step: int,
+                  on_request: Callable[[], bool] | None = None) -> float | None:
+        """Greedy success ratio of the current adapter on the held-out mazes (``environment.evalMazes`` x
+        ``evalCorners`` episodes), spread over the rollout workers; ``None`` when abandoned.
+
+        While the workers evaluate (minutes for a GPU model), the learner is idle and the step's state is final, so a
+        checkpoint or stop requested meanwhile need not wait: the loop checks every :data:`EVAL_POLL_SECONDS` for a
+        request no checkpoint has answered yet (:meth:`ControlState.unanswered`) and calls ``on_request``, which
+        answers it (writing a checkpoint if need be) and returns True to abandon the evaluation (a stop: the
+        workers' tasks are left to the caller, which kills the actors) or False to go on.
+        """
         import ray
 
         from daedalus_trainer.layouts import eval_mazes
@@ -767,8 +804,16 @@ class Trainer:
         mazes = eval_mazes(self.job.spec.environment)
         adapter_ref = learner.adapter_state.remote(packed=True)
         parts = _split(mazes, len(workers))
-        wins = [ok for chunk in ray.get([w.evaluate.remote(p, adapter_ref, step) for w, p in zip(workers, parts) if p])
-                for ok in chunk]
+        futures = [w.evaluate.remote(p, adapter_ref, step) for w, p in zip(workers, parts) if p]
+        waiting = list(futures)
+        while waiting:
+            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=EVAL_POLL_SECONDS)
+            if on_request is not None and self.control.unanswered() and on_request():
+                self.control.set_status(phase="training")
+                log.info("held-out evaluation at step %d abandoned for a stop: the checkpoint records it as pending, "
+                         "a resume runs it", step)
+                return None
+        wins = [ok for chunk in ray.get(futures) for ok in chunk]
         ratio = sum(wins) / len(wins)
         self.metrics.observe_eval(ratio)
         self.control.set_status(phase="training")

@@ -12,11 +12,12 @@ Routes:
   ``null``; every field served is listed here, which a test checks against a running server).
 - ``POST /checkpoint[?timeout=SECONDS]``: ask for a checkpoint at the next step boundary and wait (default 300 s)
   until it is written: ``200 {step, path, time}``. ``timeout=0`` returns ``202`` at once. When a held-out evaluation
-  (``algorithm.evalIntervalSteps``) is due at that boundary, the checkpoint is written and answered before it.
+  (``algorithm.evalIntervalSteps``) is due at that boundary, the checkpoint is written and answered before it; one
+  that arrives while an evaluation runs is written and answered within ~0.2 s, without waiting for its end.
 - ``POST /stop[?timeout=SECONDS]``: ask the loop to checkpoint and exit cleanly; waits like ``/checkpoint`` and
   returns ``200 {step, path, time, stopping: true}`` once the final checkpoint is written (an evaluation due at that
-  boundary is skipped; the resumed run makes it up before its first step). The operator calls it before stopping
-  the Ray job (DESIGN §3, HyperPod node replacement).
+  boundary is skipped, one in progress abandoned; the resumed run makes it up before its first step). The operator
+  calls it before stopping the Ray job (DESIGN §3, HyperPod node replacement).
 
 ``POST`` routes require ``Authorization: Bearer <token>``; the token comes from ``DAEDALUS_CONTROL_TOKEN`` or the
 file named by ``DAEDALUS_CONTROL_TOKEN_FILE`` (the operator's Secret), is compared in constant time
@@ -176,6 +177,12 @@ class ControlState:
         """True once ``POST /stop`` was received: checkpoint, then leave the loop."""
         with self._cond:
             return self._stop_requested
+
+    def unanswered(self) -> bool:
+        """True while a checkpoint or stop request has no answer yet (unlike :meth:`checkpoint_requested`, which
+        stays True after a stop's checkpoint was written)."""
+        with self._cond:
+            return self._answered_seq < self._request_seq
 
     def request_seq(self) -> int:
         """The number of checkpoint/stop requests received so far: read it when a save is queued and pass it as
