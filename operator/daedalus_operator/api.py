@@ -132,7 +132,6 @@ class Reason(str, enum.Enum):
     ``^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$``)."""
 
     # progress
-    CREATED = "Created"
     PROVISIONING = "Provisioning"
     SUBMITTED = "Submitted"
     RUNNING = "Running"
@@ -162,9 +161,7 @@ class Reason(str, enum.Enum):
     INVALID_SPEC = "InvalidSpec"
     RESTART_LIMIT = "RestartLimitExceeded"
     CHECKPOINT_TIMEOUT = "CheckpointTimeout"
-    DASHBOARD_UNREACHABLE = "DashboardUnreachable"
     API_ERROR = "APIError"
-    DELETING = "Deleting"
 
 
 #: Failure reasons caused by infrastructure (the job is resumed; the application is not blamed).

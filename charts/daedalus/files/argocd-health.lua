@@ -97,7 +97,7 @@ if is_true("Reconciling") then
   return hs
 end
 
--- 5. Stuck without being terminal (restart backoff exhausted, checkpoint timeout, unreachable dashboard).
+-- 5. Stalled without Failed: this operator sets Stalled only with Failed (step 2); kept for kstatus-style statuses.
 if is_true("Stalled") then
   hs.status = "Degraded"
   hs.message = condition_message(conditions["Stalled"], "Stalled")
