@@ -7,8 +7,8 @@ TransformersEngine` behind the same :class:`~daedalus_trainer.rollout.engine.Rol
 Design (docs/engineering-notes.md, "vLLM rollout design"):
 
 - New weights arrive as LoRA adapters: each :meth:`VLLMEngine.load_adapter` registers a new ``LoRARequest`` id
-  (``enable_lora``), so no in-place weight reload and no encoder-cache reset is needed. vLLM ignores LoRA on
-  Qwen3-VL's vision tower, which is why :func:`daedalus_trainer.policy.check_lora_targets` refuses vision targets.
+  (``enable_lora``), so no in-place weight reload and no encoder-cache reset is needed. vLLM applies LoRA to
+  Qwen3-VL's language model only (by default; vision-tower LoRA is an experimental opt-in there), which is why :func:`daedalus_trainer.policy.check_lora_targets` refuses vision targets.
 - The learner publishes adapter *tensors* (megabytes, never the base weights). vLLM loads adapters from directories,
   so the engine writes each version to ``<adapter_dir>/v<version>/`` with the ``adapter_config.json`` it was given
   (:func:`daedalus_trainer.policy.adapter_config_dict`) and deletes older version directories, keeping the current
@@ -184,7 +184,8 @@ class VLLMEngine:
             (path / ADAPTER_CONFIG).write_text(json.dumps(self._adapter_config, indent=2, sort_keys=True))
             written = True
         previous, self.adapter_path = self.adapter_path, path
-        self._lora_request = LoRARequest(f"daedalus-v{int(version)}", int(version) + 1, str(path))
+        self._lora_request = LoRARequest(lora_name=f"daedalus-v{int(version)}", lora_int_id=int(version) + 1,
+                                         lora_path=str(path))
         self.adapter_version = int(version)
         if written:
             self._prune(keep={path, previous})
@@ -208,6 +209,7 @@ class VLLMEngine:
         Raises:
             ValueError: ``len(images) != len(conversations)``, or sampling with ``top_p < 1``
                 (:func:`check_sampling`).
+            RuntimeError: vLLM returned no log-prob for some sampled token.
         """
         if len(images) != len(conversations):
             raise ValueError(f"{len(conversations)} conversations but {len(images)} image lists")
@@ -230,7 +232,10 @@ class VLLMEngine:
         for out, imgs in zip(outputs, images):
             o = out.outputs[0]
             ids = list(o.token_ids)  # vLLM keeps a stop *token* in token_ids (only stop strings are cut)
-            lps = [float(step[t].logprob) for step, t in zip(o.logprobs or [], ids)]
+            if o.logprobs is None or len(o.logprobs) != len(ids):  # GRPO's ratio needs one per sampled token
+                raise RuntimeError(f"vLLM returned {0 if o.logprobs is None else len(o.logprobs)} log-probs for "
+                                   f"{len(ids)} sampled tokens (SamplingParams(logprobs=0) asks for one each)")
+            lps = [float(step[t].logprob) for step, t in zip(o.logprobs, ids)]
             finish = "stop" if o.finish_reason == "stop" else "length"
             gens.append(Generation(o.text, list(out.prompt_token_ids), ids, lps, finish, list(imgs)))
         return gens
