@@ -75,3 +75,71 @@ def test_ray_schedules_every_actor_of_the_layout():
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("new ", "old ")))
     assert lines["new"] == "3 0"  # 3 rollout actors + the learner, none pending
     assert lines["old"] == "4 1"  # what the trainer asked for before: one actor never starts
+
+
+def test_layouts_that_share_a_gpu_are_started_one_actor_at_a_time():
+    assert actor_layout(1).shares_gpus  # the learner and the rollout worker, half a GPU each
+    assert actor_layout(3, workers=4).shares_gpus  # two rollout actors per GPU
+    assert not actor_layout(16).shares_gpus  # the HyperPod example: a whole GPU each
+    assert not actor_layout(0).shares_gpus  # CPU: nothing to share, all start at once
+
+
+def _slow_actor_class():
+    """A toy actor class whose constructor takes ``seconds`` and records when it ran (wall clock: it runs in other
+    processes). Made in a function so that Ray ships it by value (this test module is not importable there)."""
+
+    class Slow:
+        def __init__(self, seconds: float, fail: bool = False):
+            import time
+
+            self.began = time.time()
+            time.sleep(seconds)
+            if fail:
+                raise RuntimeError("constructor failed")
+            self.ended = time.time()
+
+        def span(self) -> tuple[float, float]:
+            return self.began, self.ended
+
+    return Slow
+
+
+def test_start_actors_in_sequence_waits_for_each_constructor(local_ray):
+    """sequential=True: each actor's constructor runs only after the one before it has finished (what keeps one
+    vLLM engine's memory profiling from seeing a neighbour's model load)."""
+    import ray
+
+    from daedalus_trainer.grpo import start_actors
+
+    slow = ray.remote(_slow_actor_class()).options(num_cpus=0)
+    handles = start_actors([(lambda: slow.remote(0.4), lambda a: a.span.remote())] * 3, sequential=True)
+    spans = ray.get([h.span.remote() for h in handles])
+    for h in handles:
+        ray.kill(h)
+    assert len(spans) == 3 and all(end - begin >= 0.39 for begin, end in spans)
+    assert all(spans[i + 1][0] >= spans[i][1] for i in range(2)), spans
+
+
+def test_start_actors_kills_the_started_ones_when_a_constructor_fails(local_ray):
+    """A constructor that raises (a vLLM engine out of memory, say) fails the start with Ray's error, and the actors
+    already started are killed rather than left holding their GPU share."""
+    import time
+
+    import ray
+    from ray.exceptions import RayActorError
+
+    from daedalus_trainer.grpo import start_actors
+
+    slow = ray.remote(_slow_actor_class()).options(num_cpus=0)
+    first = ray.remote(_slow_actor_class()).options(num_cpus=0, name="start-actors-first")
+    with pytest.raises(RayActorError, match="constructor failed"):
+        start_actors([(lambda: first.remote(0.0), lambda a: a.span.remote()),
+                      (lambda: slow.remote(0.0, fail=True), lambda a: a.span.remote())], sequential=True)
+    deadline = time.monotonic() + 30
+    while True:  # a killed actor's name is released once Ray has torn it down
+        try:
+            ray.get_actor("start-actors-first")
+        except ValueError:
+            break
+        assert time.monotonic() < deadline, "the first actor is still alive"
+        time.sleep(0.1)

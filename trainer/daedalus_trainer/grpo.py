@@ -481,12 +481,23 @@ class Trainer:
 
         layout = actor_layout(_gpus_available(), self.rollout_workers)
         job = self.job.model_dump(by_alias=True, mode="json")
-        learner = ray.remote(Learner).options(**layout.learner).remote(job, self.start_dir, str(self.work_dir))
         share = float(layout.worker.get("num_gpus", 0.0))
-        workers = [ray.remote(RolloutWorker).options(**layout.worker).remote(job, self.start_dir, str(self.work_dir),
-                                                                            gpu_share=share)
-                   for _ in range(layout.workers)]
-        return learner, workers
+        learner_cls, worker_cls = ray.remote(Learner), ray.remote(RolloutWorker)
+
+        def learner() -> Any:
+            return learner_cls.options(**layout.learner).remote(job, self.start_dir, str(self.work_dir))
+
+        def worker() -> Any:
+            return worker_cls.options(**layout.worker).remote(job, self.start_dir, str(self.work_dir), gpu_share=share)
+
+        # On a shared GPU the learner loads its weights before the first vLLM engine profiles memory, and each
+        # engine profiles before the next starts (start_actors); on CPU, or a GPU per actor, all start at once.
+        handles = start_actors([(learner, lambda a: a.adapter_config.remote())]
+                               + [(worker, lambda a: a.engine_name.remote())] * layout.workers,
+                               sequential=layout.shares_gpus)
+        if layout.shares_gpus:
+            log.info("started the learner and %d rollout workers one at a time (they share GPUs)", layout.workers)
+        return handles[0], handles[1:]
 
     def train(self, resume: str | LoadedCheckpoint = "latest") -> TrainResult:
         """Run from the checkpoint ``resume`` names (``latest`` | ``none`` | a checkpoint path) to ``algorithm.steps``.
@@ -946,6 +957,46 @@ class ActorLayout:
     def gpus(self) -> float:
         """GPUs requested by all actors together."""
         return self.learner.get("num_gpus", 0) + self.workers * self.worker.get("num_gpus", 0)
+
+    @property
+    def shares_gpus(self) -> bool:
+        """Whether some actor holds a fraction of a GPU (Ray ``num_gpus`` in (0, 1)), so that it may share that GPU
+        with another actor: :meth:`Trainer._actors` then starts the actors one at a time (:func:`start_actors`)."""
+        return any(0 < opts.get("num_gpus", 0) < 1 for opts in (self.learner, self.worker))
+
+
+def start_actors(starts: Sequence[tuple[Any, Callable[[Any], Any]]], sequential: bool) -> list[Any]:
+    """Create Ray actors and return their handles, in order.
+
+    Args:
+        starts: ``(create, ready)`` pairs: ``create()`` returns a new actor handle (``cls.options(...).remote(...)``),
+            ``ready(handle)`` an ``ObjectRef`` of a cheap method call that completes once the actor's ``__init__``
+            has (Ray runs an actor's calls after its constructor).
+        sequential: create each actor only once the one before it is ready. On a shared GPU this keeps a vLLM
+            engine's start-up memory profiling (``gpu_memory_utilization`` is measured from whole-device free memory
+            before and after a profile run) from counting a neighbour's model loading as its own, which shrinks its
+            KV cache or fails with "No available memory for the cache blocks", or from seeing a neighbour free memory,
+            which fails vLLM's "Error in memory profiling" assertion (vllm-project/vllm issues 55827 and 56830).
+            Otherwise all are created at once and not waited for (their failures surface at their first call).
+
+    Raises:
+        ray.exceptions.RayActorError: (``sequential``) an actor's constructor raised; the actors created before
+            it are killed first.
+    """
+    import ray
+
+    if not sequential:
+        return [create() for create, _ in starts]
+    handles: list[Any] = []
+    try:
+        for create, ready in starts:
+            handles.append(create())
+            ray.get(ready(handles[-1]))
+    except BaseException:
+        for handle in handles:
+            ray.kill(handle)
+        raise
+    return handles
 
 
 def actor_layout(gpus: int, workers: int | None = None, cpus: int | None = None) -> ActorLayout:
