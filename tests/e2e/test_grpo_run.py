@@ -456,3 +456,26 @@ def test_a_stop_during_the_evaluation_abandons_it_and_resume_runs_it(evaluated_e
     assert _strip(part2.history) == _strip(full.history)
     a, b = _adapter(full.adapter_dir), _adapter(part2.adapter_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_stop_during_the_final_evaluation_is_answered_at_once_and_a_resume_evaluates(sft_start, local_ray,
+                                                                                        tmp_path):
+    """A stop arriving as the final held-out evaluation starts (after the last step's checkpoint): answered at once
+    with that checkpoint, the evaluation abandoned, the adapter still exported. A run resumed from there (at the last
+    step: no training left) makes the final evaluation up."""
+    job = parse_job(tiny_job_dict(algorithm={"steps": 1}))
+    control = _Recorder(total_steps=1, stop_when_evaluating=True)
+    trainer = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2, control=control)
+    result = trainer.train("none")
+    order = [(kind, value) for kind, value, _ in control.events]
+    first_eval = order.index(("phase", "evaluating"))
+    assert order[first_eval + 1:first_eval + 3] == [("answered", 1), ("phase", "training")], order
+    answer = control.wait(control.tickets[0], timeout=0)
+    assert answer is not None and answer.error is None and answer.step == 1
+    assert trainer.final_eval_success is None and result.steps_done == 1
+    assert (Path(result.adapter_dir) / "adapter_model.safetensors").is_file()
+
+    again = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2)
+    resumed = again.train("latest")
+    assert resumed.resumed_from == 1 and resumed.steps_done == 1
+    assert again.final_eval_success is not None and 0.0 <= again.final_eval_success <= 1.0

@@ -709,6 +709,8 @@ class Trainer:
             ratio = self._evaluate(learner, workers, step, on_request=answer_resumed)
             if ratio is not None:
                 history[-1] = {**history[-1], "eval_success_ratio": ratio}
+                if self.control.unanswered():  # one that came in as the evaluation ended: the same answer
+                    self.control.checkpoint_done(latest)
         self.control.set_status(phase="training", step=step)
         stopped = False
         try:
@@ -776,7 +778,9 @@ class Trainer:
             def answer_final() -> bool:
                 if latest is not None and latest.step == step:  # the last step's checkpoint: it is the answer
                     self.control.checkpoint_done(latest)
-                return False  # the run is over; its evaluation ends it (a request left unanswered gets 409 then)
+                # A stop (the operator then ends the Ray job) abandons the final evaluation; the adapter is still
+                # exported (a copy, milliseconds), and a resumed run at the last step evaluates again.
+                return self.control.stop_requested()
 
             self.final_eval_success = self._evaluate(learner, workers, step, on_request=answer_final)
         adapter_dir = None
@@ -819,10 +823,10 @@ class Trainer:
         waiting = list(futures)
         while waiting:
             _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=EVAL_POLL_SECONDS)
-            if on_request is not None and self.control.unanswered() and on_request():
+            # (once every result is in, a request is left to the step's end: the evaluation is not thrown away)
+            if waiting and on_request is not None and self.control.unanswered() and on_request():
                 self.control.set_status(phase="training")
-                log.info("held-out evaluation at step %d abandoned for a stop: the checkpoint records it as pending, "
-                         "a resume runs it", step)
+                log.info("held-out evaluation at step %d abandoned for a stop (a resume runs it)", step)
                 return None
         wins = [ok for chunk in ray.get(futures) for ok in chunk]
         ratio = sum(wins) / len(wins)
