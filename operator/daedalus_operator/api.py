@@ -105,6 +105,12 @@ CONFIG_KEY = "config.json"
 #: image runs as uid 10001 without an fsGroup, so a 0400 token file would be unreadable to it.
 TOKEN_KEY = "token"
 ENV_TOKEN = "DAEDALUS_CONTROL_TOKEN"
+#: Ray token authentication (Ray >= 2.52; docs.ray.io, "Ray token authentication", and KubeRay's
+#: ray-cluster.auth-manual sample): every container of the job's RayCluster runs with ``RAY_AUTH_MODE=token`` and
+#: ``RAY_AUTH_TOKEN`` from the same Secret key, so the dashboard's job API and the GCS refuse callers without it (the
+#: health endpoints KubeRay's probes use stay open); the operator sends it as ``Authorization: Bearer``.
+ENV_RAY_AUTH_MODE = "RAY_AUTH_MODE"
+ENV_RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
 #: The Ray job's entrypoint; ``{config}`` is replaced by the config file path.
 ENTRYPOINT = "python -m daedalus_trainer train --config {config} --resume latest"
 #: Environment variables the operator passes to the Ray job (runtime_env.env_vars) and the trainer reads.

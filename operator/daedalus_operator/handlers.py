@@ -359,12 +359,13 @@ class Runtime:
             self.metrics.poll_skips.inc()
         return reason is not None
 
-    def ray_jobs(self, url: str) -> RayJobs:
-        """The :class:`RayJobs` client of the dashboard at ``url``, cached per URL (created on first use, with
+    def ray_jobs(self, url: str, token: str | None = None) -> RayJobs:
+        """The :class:`RayJobs` client of the dashboard at ``url`` with the Ray token ``token`` (the job's Secret's,
+        :func:`_token`), cached per URL (created on first use, and again when the token changed, with
         ``settings.request_timeout`` seconds per HTTP request)."""
         with self.guard:
-            if url not in self.ray:
-                self.ray[url] = RayJobs(url, timeout=self.settings.request_timeout)
+            if url not in self.ray or self.ray[url].token != token:
+                self.ray[url] = RayJobs(url, timeout=self.settings.request_timeout, token=token)
             return self.ray[url]
 
 
@@ -467,8 +468,10 @@ def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
     ray_job = RayJobObservation(RayJobState.NOT_FOUND)
     if st.submission_id:
         if cluster.dashboard_url and not cluster.deleting:
-            jobs = rt.ray_jobs(cluster.dashboard_url)
+            jobs = rt.ray_jobs(cluster.dashboard_url, _token(rt, job))
             ray_job = jobs.status(st.submission_id)
+            if ray_job.unauthorized:
+                rt.tokens.pop(job.uid, None)  # the Secret may have been replaced: read the token again
             if ray_job.state == RayJobState.FAILED and st.phase in (api.Phase.RUNNING, api.Phase.CHECKPOINTING):
                 tail = jobs.logs(st.submission_id, 600).strip()
                 if tail:
@@ -613,7 +616,7 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
         env = {api.ENV_PORT: str(rt.settings.control_port),
                api.ENV_ATTEMPT: str(action.attempt), api.ENV_JOB: job.name, api.ENV_NAMESPACE: job.namespace,
                api.ENV_SUBMISSION_ID: action.submission_id}
-        result = rt.ray_jobs(c.dashboard_url).submit(
+        result = rt.ray_jobs(c.dashboard_url, _token(rt, job)).submit(
             action.submission_id, rt.settings.render_entrypoint(), env_vars=env,
             metadata={"daedalus.dev/job": job.name, "daedalus.dev/namespace": job.namespace,
                       "daedalus.dev/attempt": str(action.attempt)})
@@ -631,7 +634,7 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
                         f"{action.submission_id} (step >= {action.target_step})")
     elif isinstance(action, StopJob):
         if c.dashboard_url:
-            stopped = rt.ray_jobs(c.dashboard_url).stop(action.submission_id)
+            stopped = rt.ray_jobs(c.dashboard_url, _token(rt, job)).stop(action.submission_id)
             if stopped:
                 logger.info(f"Ray job {action.submission_id} asked to stop")
     elif isinstance(action, DeletePods):
@@ -1054,7 +1057,7 @@ def checkpoint_before_deletion(rt: Runtime, body: dict[str, Any], cluster: Any, 
         return none(f"no answer from the trainer within {bound:g} s" + (f" ({call.error})" if call.error else ""))
     # Before every request, the first and each retry: is there a trainer to ask at all? (One that died after the first
     # request answers each retry with a refused connection, retryable, until the bound.)
-    ray_job = rt.ray_jobs(cluster.dashboard_url).status(sid) if cluster.dashboard_url else None
+    ray_job = rt.ray_jobs(cluster.dashboard_url, _token(rt, job)).status(sid) if cluster.dashboard_url else None
     if ray_job is not None and (ray_job.state.ended or ray_job.state == RayJobState.NOT_FOUND):
         if call.error is None:
             return DeletionCheckpoint(f"no checkpoint before deletion: Ray job {sid} is "
@@ -1155,7 +1158,7 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
                        message=outcome.message[:1024])
     if sid and cluster.dashboard_url and not cluster.deleting:
         try:
-            rt.ray_jobs(cluster.dashboard_url).stop(sid)
+            rt.ray_jobs(cluster.dashboard_url, _token(rt, job_view(body))).stop(sid)
         except (RayUnreachable, RuntimeError) as e:
             problems.append(f"stop {sid}: {e}")
     if cluster.dashboard_url:  # this job's Ray client (its RayCluster goes now; a retry of this handler makes another)

@@ -114,6 +114,9 @@ class RayJobObservation:
 
     state: RayJobState = RayJobState.NOT_FOUND
     message: str = ""
+    unauthorized: bool = False
+    """``UNREACHABLE`` because the dashboard refused the Ray token (:class:`~daedalus_operator.submit.RayUnauthorized`):
+    the caller reads the token from the job's Secret again."""
 
 
 #: The trainer's ``/status`` phase before its first step (daedalus_trainer.server): model, Ray actors and the checkpoint

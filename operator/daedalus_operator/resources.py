@@ -6,8 +6,9 @@
   HyperPod-Schedulable nodes, the instance type, tolerations.
 - :func:`build_config_map` - the resolved trainer config (the whole job manifest with every default) that the trainer
   reads with ``--config``.
-- :func:`build_secret` - the trainer control token (random, created once; reconcile never rotates it), given to the
-  head container as ``$DAEDALUS_CONTROL_TOKEN`` by ``env.valueFrom.secretKeyRef``.
+- :func:`build_secret` - the job's token (random, created once; reconcile never rotates it): the trainer's control
+  token, given to the head container as ``$DAEDALUS_CONTROL_TOKEN``, and the Ray token of every container
+  (``$RAY_AUTH_TOKEN`` with ``RAY_AUTH_MODE=token``), by ``env.valueFrom.secretKeyRef``.
 - :func:`build_network_policy` - only the operator may reach the dashboard (8265) and the control port (9400); the
   job's own pods talk to each other freely (Ray GCS, object manager, NCCL).
 - :func:`build_rayservice` - Ray Serve LLM (vLLM engine) serving the base model from the shared volume with the
@@ -221,17 +222,21 @@ def _shared_volume(spec: RLTrainingJobSpec) -> tuple[list[dict], list[dict]]:
 
 
 def _env(job: JobView, settings: OperatorSettings, *, head: bool = False) -> list[dict[str, Any]]:
-    """Environment of the Ray containers; the head's also carries the control token from the job's Secret (the Ray
-    job's entrypoint runs on the head and inherits it). An environment variable rather than a Secret volume: the
-    kubelet writes Secret files owned by root, unreadable to the trainer image's uid 10001 at mode 0400."""
+    """Environment of the Ray containers: Ray token authentication on every one (``RAY_AUTH_MODE=token``,
+    ``RAY_AUTH_TOKEN`` from the job's Secret: :data:`api.ENV_RAY_AUTH_MODE`); the head's also carries the same
+    token as the trainer's control token (the Ray job's entrypoint runs on the head and inherits it). Environment
+    variables rather than a Secret volume: the kubelet writes Secret files owned by root, unreadable to the trainer
+    image's uid 10001 at mode 0400."""
+    token = {"secretKeyRef": {"name": api.secret_name(job.name), "key": api.TOKEN_KEY}}
     env: list[dict[str, Any]] = [
         {"name": api.ENV_JOB, "value": job.name},
         {"name": api.ENV_NAMESPACE, "value": job.namespace},
         {"name": api.ENV_PORT, "value": str(settings.control_port)},
+        {"name": api.ENV_RAY_AUTH_MODE, "value": "token"},
+        {"name": api.ENV_RAY_AUTH_TOKEN, "valueFrom": token},
     ]
     if head:
-        env.append({"name": api.ENV_TOKEN, "valueFrom": {"secretKeyRef": {
-            "name": api.secret_name(job.name), "key": api.TOKEN_KEY}}})
+        env.append({"name": api.ENV_TOKEN, "valueFrom": token})
     return env
 
 

@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 import requests
+from ray.exceptions import AuthenticationError
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from daedalus_operator.plan import CheckpointCall, RayJobObservation, RayJobState, TrainerObservation
@@ -54,12 +55,22 @@ class RayUnreachable(RuntimeError):
     """The Ray dashboard did not answer (connection refused, timeout, DNS)."""
 
 
+class RayUnauthorized(RayUnreachable):
+    """The Ray dashboard refused the token (Ray token authentication, ``RAY_AUTH_MODE=token``: HTTP 401/403, Ray's
+    ``AuthenticationError``). Handled as unreachable: a RayCluster whose pods started with another token (the job's
+    Secret replaced since) is replaced after the unreachable grace period, and its new pods read the current one."""
+
+
+#: HTTP header that carries a Ray token (Ray token authentication, Ray >= 2.52: ``Authorization: Bearer <token>``).
+AUTHORIZATION = "Authorization"
+
+
 class _TimeoutClient(JobSubmissionClient):
     """``JobSubmissionClient`` whose every HTTP request has a timeout (Ray 2.60's client passes none to requests)."""
 
-    def __init__(self, address: str, timeout: float):
+    def __init__(self, address: str, timeout: float, headers: dict[str, str] | None = None):
         self._daedalus_timeout = timeout
-        super().__init__(address)
+        super().__init__(address, headers=headers)
 
     def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> requests.Response:  # noqa: D401 - Ray's hook
         kwargs.setdefault("timeout", self._daedalus_timeout)
@@ -93,23 +104,37 @@ class RayJobs:
         timeout: seconds per HTTP request (status, stop, logs, version check).
         submit_timeout: seconds for a submission (Ray answers once the job's supervisor actor runs: several seconds
             on a busy head).
+        token: the Ray token (Ray token authentication: the RayCluster's containers run with ``RAY_AUTH_MODE=token``
+            and ``RAY_AUTH_TOKEN`` from the job's Secret), sent as ``Authorization: Bearer``; a dashboard without
+            token authentication ignores it. A refused token raises :class:`RayUnauthorized`.
 
     The underlying client is created lazily (its constructor already calls the head), so constructing a
     :class:`RayJobs` never blocks.
     """
 
-    def __init__(self, dashboard_url: str, timeout: float = 5.0, submit_timeout: float = 60.0):
+    def __init__(self, dashboard_url: str, timeout: float = 5.0, submit_timeout: float = 60.0,
+                 token: str | None = None):
         self.url = dashboard_url.rstrip("/")
         self.timeout = timeout
         self.submit_timeout = submit_timeout
+        #: The Ray token sent with every request (``Authorization: Bearer``), the job's Secret's; None: no header.
+        self.token = token
         self._client: JobSubmissionClient | None = None
         self._lock = threading.Lock()
+
+    def _unauthorized(self, exc: Exception) -> RayUnauthorized:
+        which = "the job's token" if self.token else "a request without a token"
+        return RayUnauthorized(f"Ray dashboard {self.url} refused {which} ({exc}); the RayCluster's pods read the "
+                               "token from the job's Secret when they started")
 
     def _c(self) -> JobSubmissionClient:
         with self._lock:
             if self._client is None:
+                headers = {AUTHORIZATION: f"Bearer {self.token}"} if self.token else None
                 try:
-                    self._client = _TimeoutClient(self.url, self.timeout)
+                    self._client = _TimeoutClient(self.url, self.timeout, headers)
+                except AuthenticationError as exc:
+                    raise self._unauthorized(exc) from exc
                 except (ConnectionError, requests.RequestException) as exc:
                     raise RayUnreachable(f"Ray dashboard {self.url} unreachable: {exc}") from exc
             return self._client
@@ -117,6 +142,8 @@ class RayJobs:
     def _call(self, fn, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except AuthenticationError as exc:
+            raise self._unauthorized(exc) from exc
         except (ConnectionError, requests.RequestException) as exc:
             with self._lock:
                 self._client = None  # reconnect (and re-check the version) next time
@@ -152,7 +179,7 @@ class RayJobs:
         try:
             info = self._call(self._c().get_job_info, submission_id)
         except RayUnreachable as exc:
-            return RayJobObservation(RayJobState.UNREACHABLE, str(exc))
+            return RayJobObservation(RayJobState.UNREACHABLE, str(exc), unauthorized=isinstance(exc, RayUnauthorized))
         except RuntimeError as exc:
             if "status code 404" in str(exc):
                 return RayJobObservation(RayJobState.NOT_FOUND, "")

@@ -149,6 +149,11 @@ def test_raycluster_hyperpod_shape() -> None:
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in hc["env"]}
     assert env["DAEDALUS_CONTROL_TOKEN"] == {"secretKeyRef": {"name": "maze-qwen3vl-8b-control", "key": "token"}}
     assert "DAEDALUS_CONTROL_TOKEN_FILE" not in env
+    # Ray token authentication in every Ray container, with the job Secret's token (the operator sends the same)
+    secret = {"secretKeyRef": {"name": "maze-qwen3vl-8b-control", "key": "token"}}
+    for pod in [hpod] + [g["template"]["spec"] for g in rc["spec"]["workerGroupSpecs"]]:
+        ray_env = {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["containers"][0]["env"]}
+        assert ray_env["RAY_AUTH_MODE"] == "token" and ray_env["RAY_AUTH_TOKEN"] == secret
     assert head["template"]["metadata"]["labels"] == {api.JOB_LABEL: "maze-qwen3vl-8b"}
     affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "sagemaker.amazonaws.com/node-health-status", "operator": "DoesNotExist"}]},

@@ -56,6 +56,40 @@ def test_stop_and_failure_message(ray_head) -> None:
     assert "exit code 3" in jobs.status(bad).message
 
 
+@pytest.mark.slow
+def test_ray_token_authentication_against_a_real_head() -> None:
+    """A real Ray head with token authentication, as the operator's RayClusters run (RAY_AUTH_MODE=token,
+    RAY_AUTH_TOKEN): with the job's token the operator submits, reads the status and stops; without it, or with
+    another (the job's Secret replaced after the pods started), the status is UNREACHABLE and marked unauthorized
+    (the operator reads the Secret again) and a submission raises RayUnauthorized. The health endpoint KubeRay's
+    probes call stays open without a token."""
+    import requests
+
+    from ray_head import start_ray_head
+
+    from daedalus_operator.submit import RayUnauthorized
+
+    token = "t0ken-" + str(time.time_ns())
+    head = start_ray_head(num_cpus=1, env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
+    try:
+        jobs = RayJobs(head.dashboard_url, token=token)
+        sid = f"t-auth-{time.time_ns()}-a1"
+        assert jobs.submit(sid, f"{sys.executable} -c \"print('authenticated')\"").created
+        assert wait_state(jobs, sid, {RayJobState.SUCCEEDED, RayJobState.FAILED}) == RayJobState.SUCCEEDED
+        assert "authenticated" in jobs.logs(sid)
+        for other, says in ((None, "without a token"), ("not-" + token, "the job's token")):
+            refused = RayJobs(head.dashboard_url, token=other).status(sid)
+            assert refused.state == RayJobState.UNREACHABLE and refused.unauthorized, refused
+            assert says in refused.message and "Secret" in refused.message, refused.message
+            with pytest.raises(RayUnauthorized):
+                RayJobs(head.dashboard_url, token=other).submit(f"t-auth-{time.time_ns()}-a2", "echo never")
+        assert requests.get(head.dashboard_url + "/api/gcs_healthz", timeout=10).status_code == 200
+        assert requests.get(head.dashboard_url + "/api/jobs/", timeout=10).status_code == 401
+        # a head without token authentication ignores the header (RayClusters made by an older operator)
+    finally:
+        head.stop()
+
+
 def test_unreachable_dashboard_is_bounded() -> None:
     from ray_head import free_port
 

@@ -134,8 +134,8 @@ def start_ray_head(num_cpus: int = 2, timeout: float = 120.0, env: dict[str, str
     full_env.update({"PATH": f"{venv_bin}:{full_env.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
                      "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(temp_dir), "PYTHONUNBUFFERED": "1",
                      # Ray >= 2.52 turns token auth on when ~/.ray/auth_token exists (a file shared by every
-                     # session on this machine); this head must not depend on it. Production clusters: see
-                     # KubeRay's spec.authOptions.
+                     # session on this machine); this head must not depend on it. ``env`` may turn it on with a
+                     # token of its own (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN), as the operator's RayClusters run.
                      "RAY_AUTH_MODE": "disabled"})
     full_env.pop("RAY_ADDRESS", None)
     full_env.update(env or {})
@@ -150,8 +150,13 @@ def start_ray_head(num_cpus: int = 2, timeout: float = 120.0, env: dict[str, str
             tail = head.log_tail()
             head.stop()
             raise RuntimeError(f"ray start exited with {proc.returncode}:\n{tail}")
+        # with RAY_AUTH_MODE=token in ``env`` the job API needs the token (the health endpoint would answer before
+        # the job API is up)
+        token = full_env.get("RAY_AUTH_TOKEN") if full_env.get("RAY_AUTH_MODE") == "token" else None
+        request = urllib.request.Request(f"{head.dashboard_url}/api/version",
+                                         headers={"Authorization": f"Bearer {token}"} if token else {})
         try:
-            with urllib.request.urlopen(f"{head.dashboard_url}/api/version", timeout=2) as r:
+            with urllib.request.urlopen(request, timeout=2) as r:
                 if r.status == 200:
                     return head
         except (urllib.error.URLError, OSError):
