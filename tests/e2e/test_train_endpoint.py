@@ -115,3 +115,42 @@ def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
                  "daedalus_train_grad_norm", "daedalus_train_loss", "daedalus_train_kl"):
         assert math.isfinite(second[name]), name
     assert (tmp_path / "run" / "exports" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_sigterm_checkpoints_the_step_in_progress_and_exits_0(sft_start, tmp_path):
+    """`kill -TERM` of a running `daedalus train` (ray job stop, a container stop): the step in progress ends, its
+    checkpoint is written although the interval is far off, and the process exits 0 as after POST /stop."""
+    import signal
+
+    job = tiny_job_dict(algorithm={"steps": 40}, checkpoint={"intervalSteps": 100})
+    job["spec"]["model"]["sftAdapter"] = str(sft_start)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(job))
+    port = _free_port()
+    env = dict(os.environ, DAEDALUS_METRICS_PORT=str(port), DAEDALUS_METRICS_HOST="127.0.0.1",
+               DAEDALUS_CONTROL_TOKEN=TOKEN, OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)
+    log_path = tmp_path / "trainer.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "daedalus_trainer", "train", "--config", str(cfg),
+                                 "--out", str(tmp_path / "run")], env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            def step():
+                try:
+                    return requests.get(f"http://127.0.0.1:{port}/status", timeout=2).json().get("step", 0)
+                except requests.RequestException:
+                    return 0
+
+            _wait(lambda: step() >= 2, 300, "two steps", proc)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log_path.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "SIGTERM: the step in progress ends" in text and "training stopped at step" in text, text[-3000:]
+    saved = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert saved and int(saved[-1].name.split("-")[1]) >= 2, saved  # no interval checkpoint before step 100
+    assert (saved[-1] / "MANIFEST.json").is_file()
+    assert not (tmp_path / "run" / "exports" / "adapter").exists()  # stopped, not finished

@@ -325,8 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("train", help="GRPO training (what the Ray job runs on a cluster)",
                        description="GRPO training of the job in --config: what the operator's Ray job runs on the "
                        "RayCluster (the config is the job spec the operator writes to a ConfigMap). It attaches to the "
-                       "running Ray, or starts a local one. On a laptop use `daedalus run JOB.yaml` instead: it adds "
-                       "SFT, evaluation and the report around this.")
+                       "running Ray, or starts a local one. SIGTERM (ray job stop, a container stop) ends the step in "
+                       "progress, writes its checkpoint and exits 0, as POST /stop does; a second SIGTERM exits at "
+                       "once. On a laptop use `daedalus run JOB.yaml` instead: it adds SFT, evaluation and the report "
+                       "around this.")
     s.add_argument("--config", required=True,
                    help="job spec as YAML or JSON (the operator's ConfigMap); "
                         f"{_stdin_help('daedalus train --config -')}")

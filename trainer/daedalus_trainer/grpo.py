@@ -14,6 +14,7 @@ tokens sampled in it). An episode's advantage is broadcast to every assistant to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -1101,6 +1102,49 @@ def resume_checkpoint(job, root: str | Path, resume: str) -> LoadedCheckpoint | 
     return loaded
 
 
+#: Exit status of ``daedalus train`` ended by a second SIGTERM (128 + the signal number, the shells' convention).
+SIGTERM_EXIT = 128 + 15
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(control: Any):
+    """While inside, SIGTERM asks the run to stop as ``POST /stop`` does (``control.request_checkpoint(stop=True)``):
+    the step in progress ends, its checkpoint is written (at once during a held-out evaluation) and
+    :meth:`Trainer.train` returns ``stopped``, so ``daedalus train`` exits 0 and a resume loses no step. Who sends
+    it: ``ray job stop`` (Ray's job supervisor signals the entrypoint's process group, then kills it after
+    ``RAY_JOB_STOP_WAIT_TIME_S``, 3 s by default, which covers a short step only; the operator stops a running
+    trainer with ``POST /stop`` first), ``kill``, a container runtime's stop. A second SIGTERM exits at once
+    (``SystemExit`` with :data:`SIGTERM_EXIT`; queued checkpoint writes still land); one after the run ended (while
+    ``DAEDALUS_METRICS_LINGER_SECONDS`` keeps the endpoint up) exits 0. Replaces Ray's driver handler
+    (``ray.init`` installs one that exits at once) and restores it on leaving. A no-op outside the main thread
+    (Python delivers signals there only).
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if control.stop_requested():
+            log.warning("second SIGTERM: exiting without waiting for the step to end")
+            raise SystemExit(SIGTERM_EXIT)
+        log.warning("SIGTERM: the step in progress ends, its checkpoint is written, then the run stops "
+                    "(a second SIGTERM exits at once)")
+        try:
+            control.request_checkpoint(stop=True)
+        except RuntimeError:  # the run has ended (serving its last figures): its outcome stands, nothing to save
+            log.info("SIGTERM after the run ended: exiting")
+            raise SystemExit(0) from None
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main_train(config: str, resume: str = "latest", out_dir: str | None = None) -> int:
     """`daedalus train`: the Ray job's entrypoint on a cluster (the operator submits
     ``python -m daedalus_trainer train --config /etc/daedalus/config.json --resume latest``).
@@ -1108,6 +1152,7 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     Serves metrics and control on ``DAEDALUS_METRICS_PORT`` (default 9400) on all interfaces, reads the control token
     from ``DAEDALUS_CONTROL_TOKEN`` / ``DAEDALUS_CONTROL_TOKEN_FILE`` and the attempt from ``DAEDALUS_ATTEMPT``;
     ``DAEDALUS_METRICS_LINGER_SECONDS`` keeps the endpoint up that long after the last step (a final scrape).
+    SIGTERM stops the run after a checkpoint of the step in progress (:func:`stop_on_sigterm`).
     Returns 0 when the run finished or was stopped on request (the operator resubmits with resume), raises otherwise.
 
     Raises:
@@ -1142,7 +1187,7 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     init_ray(local=False)
     trainer = Trainer(job, run_dir)
     trainer.control.set_status(attempt=attempt)
-    with TrainerServer(trainer.metrics, trainer.control, host=host, port=port):
+    with TrainerServer(trainer.metrics, trainer.control, host=host, port=port), stop_on_sigterm(trainer.control):
         result = trainer.train(resume=start)  # on any exception it has set the phase to failed, with the reason
         if result.stopped:
             # The POST /stop caller is answered from a server thread once the checkpoint is committed: give it the
