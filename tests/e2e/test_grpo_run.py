@@ -291,6 +291,14 @@ class _Recorder(ControlState):
         self.events.append(("answered", int(info.step), time.monotonic()))
 
 
+def _answered_during_first_evaluation(control: _Recorder, step: int) -> None:
+    """The first evaluation was followed by an answer with step ``step``'s checkpoint and then by training: the
+    request was answered while the evaluation ran, not after it."""
+    order = [(kind, value) for kind, value, _ in control.events]
+    first_eval = order.index(("phase", "evaluating"))
+    assert order[first_eval + 1:first_eval + 3] == [("answered", step), ("phase", "training")], order
+
+
 def _trainer_state(checkpoint: Path) -> dict:
     return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
 
@@ -423,9 +431,7 @@ def test_a_checkpoint_requested_during_the_evaluation_is_answered_before_it_ends
     control = _Recorder(total_steps=2, request_when_evaluating=True)
     result = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2, control=control,
                      final_eval=False).train("none")
-    order = [(kind, value) for kind, value, _ in control.events]
-    first_eval = order.index(("phase", "evaluating"))
-    assert order[first_eval + 1:first_eval + 3] == [("answered", 1), ("phase", "training")], order
+    _answered_during_first_evaluation(control, 1)
     answer = control.wait(control.tickets[0], timeout=0)
     assert answer is not None and answer.error is None and answer.step == 1
     assert result.steps_done == 2 and 0.0 <= result.history[0]["eval_success_ratio"] <= 1.0
@@ -442,9 +448,7 @@ def test_a_stop_during_the_evaluation_abandons_it_and_resume_runs_it(evaluated_e
     part1 = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2, control=control,
                     final_eval=False).train("latest")
     assert part1.stopped and part1.steps_done == 2 and part1.latest_checkpoint.step == 2
-    order = [(kind, value) for kind, value, _ in control.events]
-    first_eval = order.index(("phase", "evaluating"))
-    assert order[first_eval + 1:first_eval + 3] == [("answered", 2), ("phase", "training")], order
+    _answered_during_first_evaluation(control, 2)
     assert "eval_success_ratio" not in part1.history[-1]
     answer = control.wait(control.tickets[0], timeout=0)
     assert answer is not None and answer.error is None and answer.step == 2
@@ -467,9 +471,7 @@ def test_a_stop_during_the_final_evaluation_is_answered_at_once_and_a_resume_eva
     control = _Recorder(total_steps=1, stop_when_evaluating=True)
     trainer = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=2, control=control)
     result = trainer.train("none")
-    order = [(kind, value) for kind, value, _ in control.events]
-    first_eval = order.index(("phase", "evaluating"))
-    assert order[first_eval + 1:first_eval + 3] == [("answered", 1), ("phase", "training")], order
+    _answered_during_first_evaluation(control, 1)
     answer = control.wait(control.tickets[0], timeout=0)
     assert answer is not None and answer.error is None and answer.step == 1
     assert trainer.final_eval_success is None and result.steps_done == 1

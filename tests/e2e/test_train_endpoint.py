@@ -55,10 +55,9 @@ def _wait(pred, timeout: float, what: str, proc=None):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
-    # klCoef > 0: the learner runs the reference forward, so daedalus_train_kl is a real value.
-    job = tiny_job_dict(algorithm={"steps": 8, "evalIntervalSteps": 2, "klCoef": 0.01},
-                        checkpoint={"intervalSteps": 100})
+def _start_trainer(job: dict, sft_start, tmp_path: Path, log) -> tuple[subprocess.Popen, str]:
+    """`daedalus train` on ``job`` (from the SFT start) as a real process writing to ``log``, its endpoint on a free
+    local port with the token :data:`TOKEN`: ``(process, base URL)``."""
     job["spec"]["model"]["sftAdapter"] = str(sft_start)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(job))
@@ -66,18 +65,27 @@ def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
     env = dict(os.environ, DAEDALUS_METRICS_PORT=str(port), DAEDALUS_METRICS_HOST="127.0.0.1",
                DAEDALUS_CONTROL_TOKEN=TOKEN, DAEDALUS_ATTEMPT="1", OMP_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)
-    log = open(tmp_path / "trainer.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "daedalus_trainer", "train", "--config", str(cfg),
                              "--out", str(tmp_path / "run")], env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        def status():
-            try:
-                return requests.get(f"{base}/status", timeout=2).json()
-            except requests.RequestException:
-                return None
+    return proc, f"http://127.0.0.1:{port}"
 
-        _wait(lambda: (status() or {}).get("step", 0) >= 1, 300, "the first step", proc)
+
+def _status(base: str) -> dict | None:
+    """The trainer's ``GET /status``, or None while it does not answer."""
+    try:
+        return requests.get(f"{base}/status", timeout=2).json()
+    except requests.RequestException:
+        return None
+
+
+def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
+    # klCoef > 0: the learner runs the reference forward, so daedalus_train_kl is a real value.
+    job = tiny_job_dict(algorithm={"steps": 8, "evalIntervalSteps": 2, "klCoef": 0.01},
+                        checkpoint={"intervalSteps": 100})
+    log = open(tmp_path / "trainer.log", "w")
+    proc, base = _start_trainer(job, sft_start, tmp_path, log)
+    try:
+        _wait(lambda: (_status(base) or {}).get("step", 0) >= 1, 300, "the first step", proc)
         first = _samples(requests.get(f"{base}/metrics", timeout=5).text)
         assert requests.get(f"{base}/healthz", timeout=5).status_code == 200
 
@@ -85,15 +93,15 @@ def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
         assert requests.post(f"{base}/checkpoint", timeout=10).status_code == 401
         assert requests.post(f"{base}/checkpoint", headers={"Authorization": "Bearer wrong"},
                              timeout=10).status_code == 401
-        before = status()["step"]
+        before = _status(base)["step"]
         r = requests.post(f"{base}/checkpoint", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
         assert r.status_code == 200, r.text
         ck = r.json()
         assert ck["step"] >= before
         assert (Path(ck["path"]) / "MANIFEST.json").is_file()
-        assert status()["latestCheckpoint"]["step"] == ck["step"]
+        assert _status(base)["latestCheckpoint"]["step"] == ck["step"]
 
-        _wait(lambda: (status() or {}).get("step", 0) >= ck["step"] + 2, 300, "two more steps", proc)
+        _wait(lambda: (_status(base) or {}).get("step", 0) >= ck["step"] + 2, 300, "two more steps", proc)
         second = _samples(requests.get(f"{base}/metrics", timeout=5).text)
     finally:
         proc.wait(timeout=600)
@@ -123,23 +131,12 @@ def test_sigterm_checkpoints_the_step_in_progress_and_exits_0(sft_start, tmp_pat
     import signal
 
     job = tiny_job_dict(algorithm={"steps": 40}, checkpoint={"intervalSteps": 100})
-    job["spec"]["model"]["sftAdapter"] = str(sft_start)
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(job))
-    port = _free_port()
-    env = dict(os.environ, DAEDALUS_METRICS_PORT=str(port), DAEDALUS_METRICS_HOST="127.0.0.1",
-               DAEDALUS_CONTROL_TOKEN=TOKEN, OMP_NUM_THREADS="1")
-    env.pop("RAY_ADDRESS", None)
     log_path = tmp_path / "trainer.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "daedalus_trainer", "train", "--config", str(cfg),
-                                 "--out", str(tmp_path / "run")], env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc, base = _start_trainer(job, sft_start, tmp_path, log)
         try:
             def step():
-                try:
-                    return requests.get(f"http://127.0.0.1:{port}/status", timeout=2).json().get("step", 0)
-                except requests.RequestException:
-                    return 0
+                return (_status(base) or {}).get("step", 0)
 
             _wait(lambda: step() >= 2, 300, "two steps", proc)
             proc.send_signal(signal.SIGTERM)

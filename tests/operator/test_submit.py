@@ -85,7 +85,6 @@ def test_ray_token_authentication_against_a_real_head() -> None:
                 RayJobs(head.dashboard_url, token=other).submit(f"t-auth-{time.time_ns()}-a2", "echo never")
         assert requests.get(head.dashboard_url + "/api/gcs_healthz", timeout=10).status_code == 200
         assert requests.get(head.dashboard_url + "/api/jobs/", timeout=10).status_code == 401
-        # a head without token authentication ignores the header (RayClusters made by an older operator)
     finally:
         head.stop()
 

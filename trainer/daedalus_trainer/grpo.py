@@ -711,7 +711,7 @@ class Trainer:
             if ratio is not None:
                 history[-1] = {**history[-1], "eval_success_ratio": ratio}
                 if self.control.unanswered():  # one that came in as the evaluation ended: the same answer
-                    self.control.checkpoint_done(latest)
+                    answer_resumed()
         self.control.set_status(phase="training", step=step)
         stopped = False
         try:

@@ -13,7 +13,8 @@ Routes:
 - ``POST /checkpoint[?timeout=SECONDS]``: ask for a checkpoint at the next step boundary and wait (default 300 s)
   until it is written: ``200 {step, path, time}``. ``timeout=0`` returns ``202`` at once. When a held-out evaluation
   (``algorithm.evalIntervalSteps``) is due at that boundary, the checkpoint is written and answered before it; one
-  that arrives while an evaluation runs is written and answered within ~0.2 s, without waiting for its end.
+  that arrives while an evaluation runs is written and answered without waiting for its end (the loop looks every
+  0.2 s).
 - ``POST /stop[?timeout=SECONDS]``: ask the loop to checkpoint and exit cleanly; waits like ``/checkpoint`` and
   returns ``200 {step, path, time, stopping: true}`` once the final checkpoint is written (an evaluation due at that
   boundary is skipped, one in progress abandoned; the resumed run makes it up before its first step). The operator

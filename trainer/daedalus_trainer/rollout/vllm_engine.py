@@ -8,7 +8,8 @@ Design (docs/engineering-notes.md, "vLLM rollout design"):
 
 - New weights arrive as LoRA adapters: each :meth:`VLLMEngine.load_adapter` registers a new ``LoRARequest`` id
   (``enable_lora``), so no in-place weight reload and no encoder-cache reset is needed. vLLM applies LoRA to
-  Qwen3-VL's language model only (by default; vision-tower LoRA is an experimental opt-in there), which is why :func:`daedalus_trainer.policy.check_lora_targets` refuses vision targets.
+  Qwen3-VL's language model only (by default; vision-tower LoRA is an experimental opt-in there), which is why
+  :func:`daedalus_trainer.policy.check_lora_targets` refuses vision targets.
 - The learner publishes adapter *tensors* (megabytes, never the base weights). vLLM loads adapters from directories,
   so the engine writes each version to ``<adapter_dir>/v<version>/`` with the ``adapter_config.json`` it was given
   (:func:`daedalus_trainer.policy.adapter_config_dict`) and deletes older version directories, keeping the current
