@@ -98,3 +98,59 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     # the same adapter evaluated on the same mazes greedily: the same figure
     assert second["success_after"] == report["success_after"]
     assert second["training_success_after"] == report["training_success_after"]
+
+
+def test_ctrl_c_during_grpo_checkpoints_the_step_and_the_rerun_resumes_there(sft_start, tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group) during GRPO: the step in progress ends, its
+    checkpoint is written although no periodic one is due (intervalSteps 100), the command exits 130 saying so, and
+    the same command resumes from that step and finishes. Before, the interrupt lost every step since the last
+    periodic checkpoint (here: all of them)."""
+    import signal
+    import threading
+
+    job = tiny_job_dict(model={"sftAdapter": str(sft_start)}, environment={"evalMazes": 4},
+                        algorithm={"steps": 8, "mazesPerStep": 2, "groupSize": 2}, checkpoint={"intervalSteps": 100})
+    job["metadata"]["name"] = "ctrl-c"
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    runs = tmp_path / "runs"
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", TERM="dumb", PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daedalus_trainer", "run", str(job_file), "--runs-dir", str(runs), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    lines: list[str] = []
+    first_step = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "GRPO step 1/8" in line:
+                first_step.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert first_step.wait(600), "".join(lines)[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+        assert proc.wait(300) == 130, "".join(lines)[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reader.join(10)
+    out = "".join(lines)
+    m = re.search(r"interrupted \(Ctrl-C\): checkpoint at step (\d+); run the same command again to resume", out)
+    assert m, out[-3000:]
+    stopped_at = int(m.group(1))
+    assert 1 <= stopped_at < 8, out[-3000:]
+    checkpoints = runs / "ctrl-c" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == [f"step-{stopped_at:06d}"]
+    assert not (runs / "ctrl-c" / "exports").exists()
+
+    again = _run(job_file, runs)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resumed from the checkpoint at step {stopped_at}" in again.stdout
+    report = json.loads((runs / "ctrl-c" / "report.json").read_text())
+    assert report["steps"] == 8
+    assert (runs / "ctrl-c" / "exports" / "adapter" / "adapter_model.safetensors").is_file()

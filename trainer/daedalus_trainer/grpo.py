@@ -14,7 +14,6 @@ tokens sampled in it). An episode's advantage is broadcast to every assistant to
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -1106,43 +1105,88 @@ def resume_checkpoint(job, root: str | Path, resume: str) -> LoadedCheckpoint | 
 SIGTERM_EXIT = 128 + 15
 
 
-@contextlib.contextmanager
-def stop_on_sigterm(control: Any):
-    """While inside, SIGTERM asks the run to stop as ``POST /stop`` does (``control.request_checkpoint(stop=True)``):
-    the step in progress ends, its checkpoint is written (at once during a held-out evaluation) and
-    :meth:`Trainer.train` returns ``stopped``, so ``daedalus train`` exits 0 and a resume loses no step. Who sends
-    it: ``ray job stop`` (Ray's job supervisor signals the entrypoint's process group, then kills it after
-    ``RAY_JOB_STOP_WAIT_TIME_S``, 3 s by default, which covers a short step only; the operator stops a running
-    trainer with ``POST /stop`` first), ``kill``, a container runtime's stop. A second SIGTERM exits at once
-    (``SystemExit`` with :data:`SIGTERM_EXIT`; queued checkpoint writes still land); one after the run ended (while
-    ``DAEDALUS_METRICS_LINGER_SECONDS`` keeps the endpoint up) exits 0. Replaces Ray's driver handler
-    (``ray.init`` installs one that exits at once) and restores it on leaving. A no-op outside the main thread
-    (Python delivers signals there only).
+class StopOnSignal:
+    """While inside (a context manager), a signal asks the run to stop as ``POST /stop`` does
+    (``control.request_checkpoint(stop=True)``): the step in progress ends, its checkpoint is written (at once during
+    a held-out evaluation) and :meth:`Trainer.train` returns ``stopped``, so a resume loses no step. Replaces the
+    signal's handler and restores it on leaving; a no-op outside the main thread (Python delivers signals there
+    only). :func:`stop_on_sigterm` and :func:`stop_on_sigint` are its two uses.
+
+    Args:
+        control: the trainer's :class:`~daedalus_trainer.server.ControlState`.
+        signum: the signal (``signal.SIGTERM``, ``signal.SIGINT``).
+        again: raised by a second signal, which does not wait for the step to end (queued checkpoint writes still
+            land; :meth:`Trainer.train` marks the run failed).
+        ended: raised by a signal after the run ended (while an endpoint still serves its figures): its outcome
+            stands, nothing is left to save.
+        note: what the first signal logs after "<SIGNAME>: ".
+    """
+
+    def __init__(self, control: Any, signum: int, again: BaseException, ended: BaseException, note: str):
+        self.control, self.signum, self.again, self.ended, self.note = control, signum, again, ended, note
+        self.received = False
+        """True once the signal has asked for the stop (the caller says why the run stopped)."""
+        self._previous: Any = None
+        self._installed = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        import signal
+
+        name = signal.Signals(signum).name
+        if self.received or self.control.stop_requested():
+            log.warning("second %s: exiting without waiting for the step to end", name)
+            raise type(self.again)(*self.again.args)  # a fresh one each time: no traceback carried over
+        try:
+            self.control.request_checkpoint(stop=True)
+        except RuntimeError:  # the run has ended (serving its last figures): its outcome stands, nothing to save
+            log.info("%s after the run ended: exiting", name)
+            raise type(self.ended)(*self.ended.args) from None
+        self.received = True
+        log.warning("%s: %s", name, self.note)
+
+    def __enter__(self) -> "StopOnSignal":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous, self._installed = signal.signal(self.signum, self._handle), True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal
+
+        if self._installed:
+            signal.signal(self.signum, self._previous)
+            self._installed = False
+
+
+def stop_on_sigterm(control: Any) -> StopOnSignal:
+    """SIGTERM stops ``daedalus train`` after a checkpoint of the step in progress (:class:`StopOnSignal`); the
+    command then exits 0. Who sends it: ``ray job stop`` (Ray's job supervisor signals the entrypoint's process
+    group, then kills it after ``RAY_JOB_STOP_WAIT_TIME_S``, 3 s by default, which covers a short step only; the
+    operator stops a running trainer with ``POST /stop`` first), ``kill``, a container runtime's stop. A second
+    SIGTERM exits at once (``SystemExit`` with :data:`SIGTERM_EXIT`); one after the run ended (while
+    ``DAEDALUS_METRICS_LINGER_SECONDS`` keeps the endpoint up) exits 0. Replaces Ray's driver handler (``ray.init``
+    installs one that exits at once) while inside.
     """
     import signal
-    import threading
 
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    return StopOnSignal(control, signal.SIGTERM, again=SystemExit(SIGTERM_EXIT), ended=SystemExit(0),
+                        note="the step in progress ends, its checkpoint is written, then the run stops "
+                             "(a second SIGTERM exits at once)")
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        if control.stop_requested():
-            log.warning("second SIGTERM: exiting without waiting for the step to end")
-            raise SystemExit(SIGTERM_EXIT)
-        log.warning("SIGTERM: the step in progress ends, its checkpoint is written, then the run stops "
-                    "(a second SIGTERM exits at once)")
-        try:
-            control.request_checkpoint(stop=True)
-        except RuntimeError:  # the run has ended (serving its last figures): its outcome stands, nothing to save
-            log.info("SIGTERM after the run ended: exiting")
-            raise SystemExit(0) from None
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def stop_on_sigint(control: Any) -> StopOnSignal:
+    """Ctrl-C (SIGINT) during ``daedalus run``'s GRPO: the step in progress ends and its checkpoint is written
+    before the run stops (:class:`StopOnSignal`), so the same command resumes from that step; a second Ctrl-C
+    interrupts at once (``KeyboardInterrupt``: the steps since the last checkpoint are lost). Ray's actors do not
+    see the terminal's Ctrl-C: Ray starts each worker in a process group of its own.
+    """
+    import signal
+
+    return StopOnSignal(control, signal.SIGINT, again=KeyboardInterrupt(), ended=KeyboardInterrupt(),
+                        note="the step in progress ends and its checkpoint is written, then the run stops "
+                             "(press Ctrl-C again to interrupt at once and lose the steps since the last checkpoint)")
 
 
 def main_train(config: str, resume: str = "latest", out_dir: str | None = None) -> int:

@@ -10,7 +10,8 @@ Stages, each resumable (run the command again after an interrupt and it continue
    set or sampling setting, or ``--resume none`` evaluates again, and so does a cache file that does not parse (a
    warning names it). Every file a later run reads back (the caches, ``report.json``) is written atomically.
 3. GRPO with a LoRA adapter on a local Ray (`spec.cluster` is ignored), checkpoints in ``runs/<name>/checkpoints/``,
-   metrics and control on http://127.0.0.1:<port>/metrics.
+   metrics and control on http://127.0.0.1:<port>/metrics. A first Ctrl-C ends the step in progress and writes its
+   checkpoint before stopping (exit 130; :func:`~daedalus_trainer.grpo.stop_on_sigint`), a second interrupts at once.
 4. Evaluation of the trained adapter (the same two sets; cached in ``eval-after.json`` and
    ``eval-after-training.json`` while the adapter's content is the same, so a rerun of a finished run evaluates
    nothing again and keeps the report's timings), then a before/after table, ``report.json`` and ``curves.png``.
@@ -217,7 +218,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                   f"{escape(str(run_dir))}/ "
                   "(local mode: spec.cluster is ignored)")
 
-    from daedalus_trainer.grpo import Trainer, init_ray
+    from daedalus_trainer.grpo import Trainer, init_ray, stop_on_sigint
     from daedalus_trainer.server import TrainerServer
 
     # 1. the starting point
@@ -259,14 +260,17 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                       final_eval=False)  # the full before/after evaluation below replaces it
     with TrainerServer(trainer.metrics, trainer.control, host="127.0.0.1", port=port) as server:
         console.print(f"metrics and status: {server.url}/metrics  {server.url}/status")
-        with progress:
+        with progress, stop_on_sigint(trainer.control) as ctrl_c:
             result = trainer.train(resume=start)
     import ray
 
     ray.shutdown()
     if result.adapter_dir is None:
-        console.print("[yellow]training stopped before the end; run the command again to resume[/yellow]")
-        return 0
+        why = "interrupted (Ctrl-C)" if ctrl_c.received else "training stopped before the end"
+        ckpt = result.latest_checkpoint
+        saved = f"checkpoint at step {ckpt.step}" if ckpt is not None else "no checkpoint yet"
+        console.print(f"[yellow]{why}: {saved}; run the same command again to resume[/yellow]")
+        return 130 if ctrl_c.received else 0
 
     # 4. after (cached like the start's: a run that had nothing left to train evaluates nothing again)
     after, after_training = _cached_evaluation(
