@@ -30,6 +30,7 @@ import base64
 import hashlib
 import json
 import posixpath
+import re
 import secrets
 from typing import Any
 
@@ -367,9 +368,30 @@ def serve_config(job: JobView, lora_uri: str) -> dict[str, Any]:
                               "args": {"llm_configs": [llm_config]}}]}
 
 
+#: The first Ray with token authentication (docs.ray.io, "Ray token authentication"); KubeRay refuses
+#: ``authOptions.mode: token`` for an older or unparsable ``rayVersion`` (ValidateRayClusterSpec).
+RAY_TOKEN_AUTH_MIN_VERSION = (2, 52, 0)
+
+
+def supports_ray_token_auth(ray_version: str) -> bool:
+    """Whether ``ray_version`` (``spec.cluster.rayVersion``: ``2.60.0``, ``v2.52``, ``2.53.0rc1``) is at least
+    :data:`RAY_TOKEN_AUTH_MIN_VERSION`; False for one that does not start with ``major.minor``."""
+    m = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", ray_version.strip())
+    if m is None:
+        return False
+    return (int(m[1]), int(m[2]), int(m[3] or 0)) >= RAY_TOKEN_AUTH_MIN_VERSION
+
+
 def build_rayservice(job: JobView, lora_uri: str) -> dict[str, Any]:
     """RayService ``<job>-serve`` (ray.io/v1) serving the exported adapter; pods carry ``daedalus.dev/serving``, not
     the job label (the job's NetworkPolicy must not isolate them from KubeRay).
+
+    Its dashboard runs with Ray token authentication managed by KubeRay (``authOptions.mode: token``, KubeRay
+    >= 1.5.1: KubeRay generates a Secret per RayCluster, sets ``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN`` on every container
+    and sends the token when it deploys the Serve application), where ``spec.cluster.rayVersion`` is 2.52 or later
+    (:func:`supports_ray_token_auth`; KubeRay refuses the option for an older Ray). The training RayCluster instead
+    takes the token from the job's own Secret (:func:`_env`), which the operator needs for its job API calls.
+    Requests to the served model (Ray Serve's HTTP port) are not affected.
 
     Raises:
         ValueError: invalid spec, or ``lora_uri`` is not an object-store URI (Ray Serve LLM rejects local paths).
@@ -416,22 +438,25 @@ def build_rayservice(job: JobView, lora_uri: str) -> dict[str, Any]:
     if affinity:
         head_pod["affinity"] = affinity
         worker_pod["affinity"] = affinity
+    cluster: dict[str, Any] = {
+        "rayVersion": spec.cluster.ray_version,
+        "headGroupSpec": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+                          "template": {"metadata": {"labels": labels}, "spec": head_pod}},
+        "workerGroupSpecs": [{
+            "groupName": "serve", "replicas": spec.serving.replicas, "minReplicas": spec.serving.replicas,
+            "maxReplicas": spec.serving.replicas, "rayStartParams": {},
+            "template": {"metadata": {"labels": labels}, "spec": worker_pod},
+        }],
+    }
+    if supports_ray_token_auth(spec.cluster.ray_version):
+        cluster["authOptions"] = {"mode": "token"}
     return {
         "apiVersion": api.RAY_API_VERSION,
         "kind": "RayService",
         "metadata": _meta(job, api.rayservice_name(job.name), "serving"),
         "spec": {
             "serveConfigV2": yaml.safe_dump(serve_config(job, lora_uri), sort_keys=False),
-            "rayClusterConfig": {
-                "rayVersion": spec.cluster.ray_version,
-                "headGroupSpec": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
-                                  "template": {"metadata": {"labels": labels}, "spec": head_pod}},
-                "workerGroupSpecs": [{
-                    "groupName": "serve", "replicas": spec.serving.replicas, "minReplicas": spec.serving.replicas,
-                    "maxReplicas": spec.serving.replicas, "rayStartParams": {},
-                    "template": {"metadata": {"labels": labels}, "spec": worker_pod},
-                }],
-            },
+            "rayClusterConfig": cluster,
         },
     }
 

@@ -431,3 +431,20 @@ def test_ray_pods_may_go_exactly_where_the_operator_judges_a_node_schedulable(he
         spec = {**spec, "nodeSelector": None, "tolerations": None}  # only the affinity is under test here
         assert fits(spec, node) == node_schedulable(node, hyperpod=True), (health, spec.get("affinity"))
     assert fits(pods[0], node) == (health in (None, "Schedulable"))
+
+
+@pytest.mark.parametrize("ray_version, token_auth", [("2.60.0", True), ("2.52.0", True), ("v2.52", True),
+                                                     ("2.53.0rc1", True), ("3.0", True), ("2.51.1", False),
+                                                     ("2.9.3", False), ("nightly", False)])
+def test_rayservice_dashboard_has_kuberay_managed_token_auth_from_ray_2_52(rayservice_schema, ray_version: str,
+                                                                          token_auth: bool) -> None:
+    """The serving RayService asks KubeRay (>= 1.5.1) for Ray token authentication (``authOptions.mode: token``)
+    when the image's Ray has it; KubeRay refuses the option below Ray 2.52 or for a version it cannot parse
+    (ValidateRayClusterSpec), so those RayServices go without it, as an old Ray ignores RAY_AUTH_MODE."""
+    job = view(HYPERPOD, serving__enabled=True, cluster__rayVersion=ray_version)
+    rs = r.build_rayservice(job, "s3://bucket/exports/")
+    assert errors(rayservice_schema, rs) == []
+    cluster = rs["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == ray_version
+    assert cluster.get("authOptions") == ({"mode": "token"} if token_auth else None)
+    assert r.supports_ray_token_auth(ray_version) is token_auth
