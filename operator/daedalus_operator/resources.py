@@ -376,7 +376,9 @@ RAY_TOKEN_AUTH_MIN_VERSION = (2, 52, 0)
 def supports_ray_token_auth(ray_version: str) -> bool:
     """Whether ``ray_version`` (``spec.cluster.rayVersion``: ``2.60.0``, ``v2.52``, ``2.53.0rc1``) is at least
     :data:`RAY_TOKEN_AUTH_MIN_VERSION`; False for one that does not start with ``major.minor``."""
-    m = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", ray_version.strip())
+    # apimachinery's version.ParseGeneric, which KubeRay uses: ASCII digits, no leading zero on the major number,
+    # anything after major.minor[.patch] ignored ("2.52rc1" is 2.52.0)
+    m = re.match(r"v?(0|[1-9][0-9]*)\.([0-9]+)(?:\.([0-9]+))?", ray_version.strip(), re.ASCII)
     if m is None:
         return False
     return (int(m[1]), int(m[2]), int(m[3] or 0)) >= RAY_TOKEN_AUTH_MIN_VERSION

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -100,12 +101,14 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     assert second["training_success_after"] == report["training_success_after"]
 
 
-def test_ctrl_c_during_grpo_checkpoints_the_step_and_the_rerun_resumes_there(sft_start, tmp_path):
-    """Ctrl-C as a terminal sends it (SIGINT to the whole process group) during GRPO: the step in progress ends, its
-    checkpoint is written although no periodic one is due (intervalSteps 100), the command exits 130 saying so, and
-    the same command resumes from that step and finishes. Before, the interrupt lost every step since the last
-    periodic checkpoint (here: all of them)."""
-    import signal
+@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, 130, r"interrupted \(Ctrl-C\)"),
+                                                 (signal.SIGTERM, 143, r"stopped \(SIGTERM\)")], ids=["ctrl-c", "sigterm"])
+def test_a_signal_during_grpo_checkpoints_the_step_and_the_rerun_resumes_there(sft_start, tmp_path, signum, code,
+                                                                               said):
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group), or SIGTERM to it (kill, timeout), during
+    GRPO: the step in progress ends, its checkpoint is written although no periodic one is due (intervalSteps 100),
+    the command exits 130 / 143 saying so, and the same command resumes from that step and finishes. Before, the
+    interrupt lost every step since the last periodic checkpoint (here: all of them)."""
     import threading
 
     job = tiny_job_dict(model={"sftAdapter": str(sft_start)}, environment={"evalMazes": 4},
@@ -132,15 +135,15 @@ def test_ctrl_c_during_grpo_checkpoints_the_step_and_the_rerun_resumes_there(sft
     reader.start()
     try:
         assert first_step.wait(600), "".join(lines)[-3000:]
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
-        assert proc.wait(300) == 130, "".join(lines)[-3000:]
+        os.killpg(proc.pid, signum)  # what Ctrl-C in a terminal does: the whole foreground group
+        assert proc.wait(300) == code, "".join(lines)[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     reader.join(10)
     out = "".join(lines)
-    m = re.search(r"interrupted \(Ctrl-C\): checkpoint at step (\d+); run the same command again to resume", out)
+    m = re.search(said + r": checkpoint at step (\d+); run the same command again to resume", out)
     assert m, out[-3000:]
     stopped_at = int(m.group(1))
     assert 1 <= stopped_at < 8, out[-3000:]

@@ -434,8 +434,9 @@ def test_ray_pods_may_go_exactly_where_the_operator_judges_a_node_schedulable(he
 
 
 @pytest.mark.parametrize("ray_version, token_auth", [("2.60.0", True), ("2.52.0", True), ("v2.52", True),
-                                                     ("2.53.0rc1", True), ("3.0", True), ("2.51.1", False),
-                                                     ("2.9.3", False), ("nightly", False)])
+                                                     ("2.53.0rc1", True), ("2.52rc1", True), ("3.0", True),
+                                                     ("2.51.1", False), ("2.9.3", False), ("02.52", False),
+                                                     ("V2.52", False), ("2", False), ("nightly", False)])
 def test_rayservice_dashboard_has_kuberay_managed_token_auth_from_ray_2_52(rayservice_schema, ray_version: str,
                                                                           token_auth: bool) -> None:
     """The serving RayService asks KubeRay (>= 1.5.1) for Ray token authentication (``authOptions.mode: token``)

@@ -292,7 +292,9 @@ EXIT_STATUS = """exit status:
        failure, printed with its traceback
   2    bad arguments (any command); run/train/sft/eval/maze: bad input (spec, file, checkpoint,
        port): one line says which, before any work
-  130  interrupted (Ctrl-C): run the same command again to resume
+  130  interrupted (Ctrl-C): run the same command again to resume (`run` during GRPO: the step in
+       progress was checkpointed first, unless Ctrl-C was pressed twice)
+  143  `run` stopped by SIGTERM during GRPO, the step in progress checkpointed: run it again to resume
 `daedalus operator --help` lists the operator's own."""
 
 

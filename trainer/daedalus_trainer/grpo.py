@@ -1107,18 +1107,21 @@ SIGTERM_EXIT = 128 + 15
 
 class StopOnSignal:
     """While inside (a context manager), a signal asks the run to stop as ``POST /stop`` does
-    (``control.request_checkpoint(stop=True)``): the step in progress ends, its checkpoint is written (at once during
-    a held-out evaluation) and :meth:`Trainer.train` returns ``stopped``, so a resume loses no step. Replaces the
-    signal's handler and restores it on leaving; a no-op outside the main thread (Python delivers signals there
-    only). :func:`stop_on_sigterm` and :func:`stop_on_sigint` are its two uses.
+    (``control.request_checkpoint(stop=True)``): the step in progress ends (or, before the first step, the start-up:
+    model, actors, resume), its checkpoint is written (at once during a held-out evaluation) and
+    :meth:`Trainer.train` returns ``stopped``, so a resume loses no step. A signal during the last step lets the run
+    finish (its adapter exported); :attr:`received` tells the caller. Replaces the signal's handler and restores it on
+    leaving; a no-op outside the main thread (Python delivers signals there only). :func:`stop_on_sigterm` and
+    :func:`stop_on_sigint` are its two uses.
 
     Args:
         control: the trainer's :class:`~daedalus_trainer.server.ControlState`.
         signum: the signal (``signal.SIGTERM``, ``signal.SIGINT``).
         again: raised by a second signal, which does not wait for the step to end (queued checkpoint writes still
             land; :meth:`Trainer.train` marks the run failed).
-        ended: raised by a signal after the run ended (while an endpoint still serves its figures): its outcome
-            stands, nothing is left to save.
+        ended: raised by a signal after the run ended (while an endpoint still serves its figures): nothing is left
+            to save (raised inside :meth:`Trainer.train`, in the instant between its last status and its return,
+            the run is reported failed).
         note: what the first signal logs after "<SIGNAME>: ".
     """
 
@@ -1134,7 +1137,8 @@ class StopOnSignal:
 
         name = signal.Signals(signum).name
         if self.received or self.control.stop_requested():
-            log.warning("second %s: exiting without waiting for the step to end", name)
+            log.warning("%s %s: exiting without waiting for the step to end", name,
+                        "again" if self.received else "with a stop already pending")
             raise type(self.again)(*self.again.args)  # a fresh one each time: no traceback carried over
         try:
             self.control.request_checkpoint(stop=True)
@@ -1161,10 +1165,11 @@ class StopOnSignal:
 
 
 def stop_on_sigterm(control: Any) -> StopOnSignal:
-    """SIGTERM stops ``daedalus train`` after a checkpoint of the step in progress (:class:`StopOnSignal`); the
-    command then exits 0. Who sends it: ``ray job stop`` (Ray's job supervisor signals the entrypoint's process
-    group, then kills it after ``RAY_JOB_STOP_WAIT_TIME_S``, 3 s by default, which covers a short step only; the
-    operator stops a running trainer with ``POST /stop`` first), ``kill``, a container runtime's stop. A second
+    """SIGTERM stops ``daedalus train`` (and ``daedalus run``'s GRPO) after a checkpoint of the step in progress
+    (:class:`StopOnSignal`); ``daedalus train`` then exits 0 (the operator resumes it), ``daedalus run`` 143. Who
+    sends it: ``ray job stop`` (Ray's job supervisor signals the entrypoint's process group, then kills it after
+    ``RAY_JOB_STOP_WAIT_TIME_S``, 3 s by default, which covers a short step only; the operator stops a running
+    trainer with ``POST /stop`` first), ``kill``, ``timeout``, a container runtime's stop. A second
     SIGTERM exits at once (``SystemExit`` with :data:`SIGTERM_EXIT`); one after the run ended (while
     ``DAEDALUS_METRICS_LINGER_SECONDS`` keeps the endpoint up) exits 0. Replaces Ray's driver handler (``ray.init``
     installs one that exits at once) while inside.
@@ -1179,14 +1184,15 @@ def stop_on_sigterm(control: Any) -> StopOnSignal:
 def stop_on_sigint(control: Any) -> StopOnSignal:
     """Ctrl-C (SIGINT) during ``daedalus run``'s GRPO: the step in progress ends and its checkpoint is written
     before the run stops (:class:`StopOnSignal`), so the same command resumes from that step; a second Ctrl-C
-    interrupts at once (``KeyboardInterrupt``: the steps since the last checkpoint are lost). Ray's actors do not
-    see the terminal's Ctrl-C: Ray starts each worker in a process group of its own.
+    interrupts at once (``KeyboardInterrupt``: the steps since the last checkpoint are lost). Ray's processes do not
+    act on the terminal's Ctrl-C (each worker runs in a process group of its own, measured with Ray 2.60; Ray's
+    daemons block SIGINT), so the step in progress can end.
     """
     import signal
 
     return StopOnSignal(control, signal.SIGINT, again=KeyboardInterrupt(), ended=KeyboardInterrupt(),
                         note="the step in progress ends and its checkpoint is written, then the run stops "
-                             "(press Ctrl-C again to interrupt at once and lose the steps since the last checkpoint)")
+                             "(press Ctrl-C again to interrupt at once, losing the steps since the last checkpoint)")
 
 
 def main_train(config: str, resume: str = "latest", out_dir: str | None = None) -> int:

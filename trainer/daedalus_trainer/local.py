@@ -11,7 +11,8 @@ Stages, each resumable (run the command again after an interrupt and it continue
    warning names it). Every file a later run reads back (the caches, ``report.json``) is written atomically.
 3. GRPO with a LoRA adapter on a local Ray (`spec.cluster` is ignored), checkpoints in ``runs/<name>/checkpoints/``,
    metrics and control on http://127.0.0.1:<port>/metrics. A first Ctrl-C ends the step in progress and writes its
-   checkpoint before stopping (exit 130; :func:`~daedalus_trainer.grpo.stop_on_sigint`), a second interrupts at once.
+   checkpoint before stopping (exit 130; :func:`~daedalus_trainer.grpo.stop_on_sigint`), a second interrupts at once;
+   SIGTERM likewise (exit 143; :func:`~daedalus_trainer.grpo.stop_on_sigterm`).
 4. Evaluation of the trained adapter (the same two sets; cached in ``eval-after.json`` and
    ``eval-after-training.json`` while the adapter's content is the same, so a rerun of a finished run evaluates
    nothing again and keeps the report's timings), then a before/after table, ``report.json`` and ``curves.png``.
@@ -218,7 +219,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                   f"{escape(str(run_dir))}/ "
                   "(local mode: spec.cluster is ignored)")
 
-    from daedalus_trainer.grpo import Trainer, init_ray, stop_on_sigint
+    from daedalus_trainer.grpo import SIGTERM_EXIT, Trainer, init_ray, stop_on_sigint, stop_on_sigterm
     from daedalus_trainer.server import TrainerServer
 
     # 1. the starting point
@@ -260,17 +261,23 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                       final_eval=False)  # the full before/after evaluation below replaces it
     with TrainerServer(trainer.metrics, trainer.control, host="127.0.0.1", port=port) as server:
         console.print(f"metrics and status: {server.url}/metrics  {server.url}/status")
-        with progress, stop_on_sigint(trainer.control) as ctrl_c:
+        with progress, stop_on_sigint(trainer.control) as ctrl_c, stop_on_sigterm(trainer.control) as sigterm:
             result = trainer.train(resume=start)
     import ray
 
     ray.shutdown()
+    why, code = (("interrupted (Ctrl-C)", 130) if ctrl_c.received else
+                 ("stopped (SIGTERM)", SIGTERM_EXIT) if sigterm.received else
+                 ("training stopped before the end", 0))
     if result.adapter_dir is None:
-        why = "interrupted (Ctrl-C)" if ctrl_c.received else "training stopped before the end"
         ckpt = result.latest_checkpoint
         saved = f"checkpoint at step {ckpt.step}" if ckpt is not None else "no checkpoint yet"
         console.print(f"[yellow]{why}: {saved}; run the same command again to resume[/yellow]")
-        return 130 if ctrl_c.received else 0
+        return code
+    if code:  # the signal came during the last step: training finished, the evaluation after it is what is left
+        console.print(f"[yellow]{why} during the last step: training finished and its adapter is exported; the "
+                      "evaluation after GRPO is skipped: run the same command again to evaluate and report[/yellow]")
+        return code
 
     # 4. after (cached like the start's: a run that had nothing left to train evaluates nothing again)
     after, after_training = _cached_evaluation(

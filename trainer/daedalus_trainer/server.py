@@ -148,7 +148,9 @@ class ControlState:
     """
 
     def __init__(self, *, total_steps: int = 0, attempt: int = 0) -> None:
-        self._cond = threading.Condition()
+        # Re-entrant: a signal handler (grpo.StopOnSignal) calls request_checkpoint on the main thread, which may be
+        # holding this lock at that moment; a plain Lock would deadlock there.
+        self._cond = threading.Condition(threading.RLock())
         self._checkpoint_requested = False
         self._stop_requested = False
         self._request_seq = 0  # number of requests so far
