@@ -393,7 +393,8 @@ def test_malformed_yaml_is_a_spec_error(tmp_path):
     f.write_text("spec: [unclosed\n")
     with pytest.raises(c.SpecError) as info:
         c.load_job(f)
-    assert info.value.errors[0][0] == "(yaml)"
+    assert info.value.errors == [("(syntax)", "line 2, column 1: expected ',' or ']', but got '<stream end>' (while "
+                                  "parsing a flow sequence from line 1, column 7)")]
 
 
 # ------------------------------------------------------------------------------------------------ spec edits mid-run

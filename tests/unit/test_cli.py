@@ -301,6 +301,13 @@ def test_paths_ports_and_variables_give_one_line_errors(tmp_path, capsys, monkey
     job["spec"]["model"].update({"tiny": False, "path": str(tmp_path / "no-such-model")})  # base is not here
     job["spec"]["cluster"]["workerGroups"][0]["gpusPerWorker"] = 1
     job_file.write_text(yaml.safe_dump(job))
+    assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2  # ... but has no weights
+    assert "no-such-adapter: it has adapter_config.json but no weights" in capsys.readouterr().err
+    import safetensors.torch
+    import torch
+
+    safetensors.torch.save_file({"w": torch.zeros(2)}, str(tmp_path / "no-such-adapter" / "adapter_model.safetensors"))
+    job_file.write_text(yaml.safe_dump(job))
     assert cli.main(["run", str(job_file), "--runs-dir", str(tmp_path / "runs")]) == 2
     assert "no-such-model' holds no Hugging Face checkpoint (config.json)" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
@@ -379,10 +386,12 @@ def test_yaml_is_read_as_kubectl_reads_it(tmp_path):
     with pytest.raises(c.SpecError) as info:
         c.load_job(dup)
     (path, message), = info.value.errors
-    assert path == "(yaml)" and "found duplicate key 'steps'" in message
-    assert str(dup) in message  # the marks name the file, not "<unicode string>"
+    assert path == "(syntax)" and "found duplicate key 'steps'" in message
+    assert "\n" not in message and "<unicode string>" not in message  # one line; the file is the error's source
+    assert str(info.value).startswith(f"{dup}: 1 error(s)")
     lines = [i + 1 for i, line in enumerate(dup.read_text().splitlines()) if line.startswith("    steps:")]
-    assert f"first given on line {lines[0]}" in message and f"line {lines[1]}, column" in message
+    assert message.startswith(f"line {lines[1]}, column 5: found duplicate key 'steps' (first given on line "
+                              f"{lines[0]}) (while constructing a mapping from line ")
     # a key repeated on one line (a flow mapping, one-line JSON) is refused too; before, the last one won
     doc = json.loads(json.dumps(yaml.safe_load(Path(EXAMPLE).read_text())))
     one_line = json.dumps(doc).replace('"steps": 48', '"steps": 4, "steps": 48', 1)
@@ -390,7 +399,7 @@ def test_yaml_is_read_as_kubectl_reads_it(tmp_path):
     with pytest.raises(c.SpecError) as info:
         c.load_job(_write(tmp_path, one_line, "dup.json"))
     (path, message), = info.value.errors
-    assert path == "(yaml)" and "found duplicate key 'steps' (first given on line 1)" in message
+    assert path == "(syntax)" and "found duplicate key 'steps' (first given on line 1)" in message
 
 
 def test_unknown_and_misplaced_fields_say_where_they_belong():
@@ -885,3 +894,67 @@ def test_eval_and_sft_read_the_job_from_standard_input(tiny_checkpoint, tmp_path
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
     assert bad.stderr.startswith("error: <stdin>") and "spec.environment.size" in bad.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]  # no runs/from-stdin/sft
+
+
+def test_a_cut_short_start_or_base_model_is_one_line_before_ray_or_any_output(tmp_path, capsys, monkeypatch):
+    """model.sftAdapter (a PEFT adapter or a full model) or the base model.path whose safetensors file was cut short
+    or is a Git LFS pointer: `train` says so in one `error:` line and exits 2 before Ray starts (before, a Ray actor
+    died 14 s later with a 60-line traceback and exit 1), as do `run` and `sft`, none creating its output directory."""
+    import ray
+    import safetensors.torch
+    import torch
+
+    monkeypatch.setenv("DAEDALUS_METRICS_PORT", "0")
+    ray_before = ray.is_initialized()
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 16}')
+    weights = adapter / "adapter_model.safetensors"
+    safetensors.torch.save_file({"w": torch.zeros(64, 16)}, str(weights))
+    good = tmp_path / "good-adapter"
+    good.mkdir()
+    (good / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 16}')
+    (good / "adapter_model.safetensors").write_bytes(weights.read_bytes())
+    weights.write_bytes(weights.read_bytes()[:-100])  # a copy cut short
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model-00001-of-00002.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 4000000000\n")  # an LFS pointer
+    gpus = {"workerGroups": [{"name": "gpu", "replicas": 1, "gpusPerWorker": 1, "cpu": "4", "memory": "32Gi"}]}
+    cases = [({"sftAdapter": str(adapter)}, f"error: cannot load the adapter in {adapter}: adapter_model.safetensors: "),
+             ({"sftAdapter": str(model)}, f"error: cannot load the model in {model}: model-00001-of-00002.safetensors: "),
+             ({"tiny": False, "path": str(model), "sftAdapter": str(good)}, f"error: cannot load the model in {model}: ")]
+    for fields, said in cases:
+        job = tiny_job_dict(model=fields, cluster={} if fields.get("tiny", True) else gpus)
+        job_file = tmp_path / "job.yaml"
+        job_file.write_text(yaml.safe_dump(job))
+        for argv in (["train", "--config", str(job_file), "--out", str(tmp_path / "train")],
+                     ["run", str(job_file), "--runs-dir", str(tmp_path / "runs")],
+                     ["sft", str(job_file), "--out", str(tmp_path / "sft")]):
+            assert cli.main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert len(err.splitlines()) == 1 and err.startswith(said), (argv, err)
+            assert "copy or save it again" in err
+    assert not {"train", "runs", "sft"} & {p.name for p in tmp_path.iterdir()}
+    assert ray.is_initialized() == ray_before
+
+
+def test_run_refuses_a_chosen_port_that_is_taken_before_any_work(tmp_path, capsys, monkeypatch):
+    """`daedalus run --port N` (or $DAEDALUS_METRICS_PORT=N) with N taken: one `error:` line, exit 2, nothing
+    created (before, the run went on and, minutes later at GRPO, quietly served on another port)."""
+    import socket
+
+    monkeypatch.delenv("DAEDALUS_METRICS_PORT", raising=False)
+    runs = tmp_path / "runs"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert cli.main(["run", EXAMPLE, "--runs-dir", str(runs), "--port", str(port)]) == 2
+        assert capsys.readouterr().err == f"error: cannot serve on 127.0.0.1:{port} (Address already in use); set " \
+            "--port (or DAEDALUS_METRICS_PORT) to a free port\n"
+        monkeypatch.setenv("DAEDALUS_METRICS_PORT", str(port))
+        assert cli.main(["run", EXAMPLE, "--runs-dir", str(runs)]) == 2
+        assert "Address already in use" in capsys.readouterr().err
+    assert not runs.exists()

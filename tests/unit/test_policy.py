@@ -524,3 +524,26 @@ def test_fast_vision_paths_match_the_stock_model(tiny_policy, tiny_checkpoint):
         assert torch.allclose(torch.cat(ours.pooler_output), torch.cat(theirs.pooler_output), atol=1e-5)
         for a, b in zip(ours.deepstack_features, theirs.deepstack_features):
             assert torch.allclose(torch.cat(a), torch.cat(b), atol=1e-5)
+
+
+def test_saved_models_and_adapters_get_the_umask_s_mode_not_safetensors_0600(tiny_checkpoint, tmp_path):
+    """safetensors 0.8 writes its files with mode 0600 whatever the umask: the SFT model, the tiny base and an SFT
+    adapter on a shared volume could not be read by another uid (a vLLM serving pod) while the files beside them
+    could. Every file written by save_pretrained / save_adapter / the tiny build now has the umask's mode."""
+    import os
+
+    from daedalus_trainer.tiny import TinySpec, build_tiny_checkpoint
+
+    previous = os.umask(0o027)  # group-readable, others nothing: not the 022 that would pass by accident
+    try:
+        a = load_pretrained(tiny_checkpoint, "float32", "cpu")
+        model_dir = a.save_pretrained(tmp_path / "model")
+        a.add_lora(LORA)
+        adapter_dir = a.save_adapter(tmp_path / "adapter")
+        base_dir = build_tiny_checkpoint(tmp_path / "tiny-base", TinySpec())
+    finally:
+        os.umask(previous)
+    for d in (model_dir, adapter_dir, base_dir):
+        modes = {f.name: oct(f.stat().st_mode & 0o777) for f in d.iterdir() if f.is_file()}
+        assert any(name.endswith(".safetensors") for name in modes), modes
+        assert set(modes.values()) == {oct(0o640)}, (d.name, modes)

@@ -640,7 +640,7 @@ def test_evaluation_progress_shows_each_pass(tiny_checkpoint, terminal):
         for label in ("training greedy", "training sampled"):
             assert re.search(label + r" .*turn 2/2 +3/3 episodes ended", text), text
     else:
-        assert re.findall(r"^(training \w+): 3 episodes in 2 turns, \d+ s$", text, re.M) == [
+        assert re.findall(r"^(training \w+): 3 episodes \(the longest 2 turns\) in \d+ s$", text, re.M) == [
             "training greedy", "training sampled"], text
     plain = evaluation.run_eval(job, tiny_checkpoint, n=3, split="training")
     assert [r.outcomes for r in rep.results] == [r.outcomes for r in plain.results]

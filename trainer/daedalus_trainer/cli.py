@@ -320,8 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--runs-dir", default="runs", help="parent of the run directory RUNS_DIR/<name>/ (default: ./runs)")
     s.add_argument("--resume", default="latest", type=_resume_option,
                    help="latest (default) | none | PATH of a checkpoint (directory step-NNNNNN or a checkpoints/ root)")
-    s.add_argument("--port", type=_port_option, default=os.environ.get("DAEDALUS_METRICS_PORT", "9400"),
-                   help="metrics/control HTTP port (0: pick a free one; default $DAEDALUS_METRICS_PORT, else 9400)")
+    s.add_argument("--port", type=_port_option, default=os.environ.get("DAEDALUS_METRICS_PORT"),
+                   help="metrics/control HTTP port on 127.0.0.1 (0: pick a free one; default $DAEDALUS_METRICS_PORT, "
+                        "else 9400, or a free port when 9400 is taken). A port given here or in the variable must be "
+                        "free: checked before any work")
     s.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("train", help="GRPO training (what the Ray job runs on a cluster)",

@@ -1021,6 +1021,25 @@ def _loc_to_path(loc: tuple) -> str:
     return "".join(parts)
 
 
+def yaml_error_line(exc: yaml.YAMLError) -> str:
+    """One line for a YAML (or JSON, which is read as YAML) syntax error: where and what, then what was being read
+    and from where, e.g. ``line 3, column 7: expected ',' or '}', but got ':' (while parsing a flow mapping from line
+    2, column 10)``. PyYAML's own text spans four or five lines and repeats the file name at each mark. Lines and
+    columns count from 1."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return " ".join(str(exc).split())
+
+    def at(mark: Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    text = f"{at(exc.problem_mark)}: {exc.problem}"
+    if exc.context:
+        start = exc.context_mark
+        same = start is not None and (start.line, start.column) == (exc.problem_mark.line, exc.problem_mark.column)
+        text += f" ({exc.context}" + (f" from {at(start)}" if start is not None and not same else "") + ")"
+    return text
+
+
 def _unquoted(value: Any) -> Any:
     """The number or boolean a quoted YAML scalar would be without its quotes (``"0.002"`` -> 0.002), else None."""
     if not isinstance(value, str):
@@ -1195,7 +1214,7 @@ def load_documents(path: str | Path) -> list[Any]:
     try:
         docs = [d for d in yaml.load_all(stream, Loader=ManifestLoader) if d is not None]  # noqa: S506 (SafeLoader)
     except yaml.YAMLError as exc:
-        raise SpecError([("(yaml)", str(exc))], str(path)) from None
+        raise SpecError([("(syntax)", yaml_error_line(exc))], str(path)) from None
     if not docs:
         raise SpecError([("(root)", "the file holds no document")], str(path))
     # A `kind: List` (what `kubectl get rltj -o yaml` prints) stands for its items; one without items holds no job.

@@ -258,7 +258,7 @@ class EvalProgress:
             self.progress.update(task, completed=turn, total=max(limit, turn), turns=f"turn {turn}/{limit}",
                                  info=info)
             if ended == episodes and not self.console.is_terminal:
-                self.console.print(f"{label}: {episodes} episodes in {turn} turns, "
+                self.console.print(f"{label}: {episodes} episodes (the longest {turn} turns) in "
                                    f"{time.perf_counter() - started:.0f} s")
 
         return update

@@ -1208,6 +1208,9 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     Raises:
         FileNotFoundError: ``config`` does not exist.
         daedalus_trainer.config.SpecError: ``config`` is malformed or the job is invalid.
+        FileNotFoundError, daedalus_trainer.policy.ModelLoadError: ``model.sftAdapter`` or ``model.path`` is
+            missing or its weights are cut short (:func:`~daedalus_trainer.policy.check_model_paths`), before Ray
+            starts.
         daedalus_trainer.usage.UsageError: ``DAEDALUS_ATTEMPT`` is not a whole number >= 0,
             ``DAEDALUS_METRICS_PORT`` not a port number or taken, ``DAEDALUS_METRICS_LINGER_SECONDS`` not a number
             >= 0, or the run directory cannot be created (all before Ray starts).
@@ -1229,6 +1232,9 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     linger = env_number("DAEDALUS_METRICS_LINGER_SECONDS", 0.0, minimum=0.0)
     host = os.environ.get("DAEDALUS_METRICS_HOST", "0.0.0.0")
     check_port_free(host, port, "DAEDALUS_METRICS_PORT")
+    from daedalus_trainer.policy import check_model_paths
+
+    check_model_paths(job.spec.model)  # a missing or cut-short start or base model: one line now, not an actor's death
     target = Path(out_dir) if out_dir else run_dir_for(job)
     start: str | LoadedCheckpoint = resume
     if resume not in ("latest", "none"):  # a checkpoint PATH: verified now, not after Ray and the model start

@@ -162,10 +162,16 @@ def _evaluate(job, model_path: str, adapter_path: str | None, console=None) -> t
     return json.loads(held_out.to_json()), json.loads(training.to_json())
 
 
-def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", port: int = 9400) -> int:
+#: ``daedalus run``'s metrics/control port when none is given (a free one instead when it is taken).
+DEFAULT_PORT = 9400
+
+
+def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", port: int | None = None) -> int:
     """Run SFT (if needed) -> eval -> GRPO -> eval for the job in ``job_path`` and print the report.
 
-    Returns the process exit code (0 on success).
+    ``port``: the metrics/control port on 127.0.0.1. One given (``--port``, ``$DAEDALUS_METRICS_PORT``) must be free
+    now, before any work (0 picks a free one); None serves on :data:`DEFAULT_PORT`, or on a free port when that one is
+    taken when GRPO starts (a warning says so). Returns the process exit code (0 on success).
 
     Raises:
         daedalus_trainer.config.SpecError: the YAML is invalid (every error with its field path).
@@ -191,12 +197,19 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     if not job.spec.model.sft_adapter and not job.spec.model.tiny:
         return refuse("model.sftAdapter is required for a non-tiny model: daedalus run trains an SFT starting point "
                       "itself only for model.tiny; give the PEFT adapter or model directory of a supervised start")
-    from daedalus_trainer.policy import check_model_paths
+    from daedalus_trainer.policy import ModelLoadError, check_model_paths
 
     try:
         check_model_paths(job.spec.model)  # before anything is created under --runs-dir
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ModelLoadError) as exc:
         return refuse(str(exc))
+    if port is not None:
+        from daedalus_trainer.usage import UsageError, check_port_free
+
+        try:  # a port the user chose: taken is an error now, not a silent other port minutes later
+            check_port_free("127.0.0.1", port, "--port (or DAEDALUS_METRICS_PORT)")
+        except UsageError as exc:
+            return refuse(str(exc))
     start: str | LoadedCheckpoint = resume  # what the Trainer resumes from: a --resume PATH is read once, here
     if resume != "latest":
         # A GRPO checkpoint path is verified now, not after SFT and an evaluation (the trainer moves the checkpoints
@@ -254,7 +267,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     # 3. GRPO
     console.rule("GRPO (LoRA) on a local Ray")
     init_ray(local=True)
-    port = _free_port(port)
+    port = _free_port(DEFAULT_PORT if port is None else port)
     progress = _Progress(console, job.spec.algorithm.steps)
     trainer = Trainer(job, run_dir, start_dir=start_dir, work_dir=work_dir, on_step=progress.update,
                       on_resume=progress.resumed,

@@ -307,8 +307,11 @@ class Policy:
         """
         if not self.has_adapter:
             raise ValueError("no adapter attached")
+        from daedalus_trainer.usage import restore_umask_modes
+
         out = Path(out_dir)
         self.model.save_pretrained(str(out))
+        restore_umask_modes(out)  # safetensors writes 0600
         return out
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
@@ -325,6 +328,9 @@ class Policy:
             model = copy.deepcopy(self.model).merge_and_unload()
         model.save_pretrained(str(out))
         self.processor.save_pretrained(str(out))
+        from daedalus_trainer.usage import restore_umask_modes
+
+        restore_umask_modes(out)  # safetensors writes 0600
         meta = self.path / "daedalus_tiny.json"
         if meta.is_file() and meta.resolve() != (out / meta.name).resolve():
             shutil.copyfile(meta, out / meta.name)
@@ -808,14 +814,35 @@ def load_pretrained(path: str | Path, dtype: str = "float32", device: torch.devi
     return Policy(model, processor, path, dev)
 
 
+def check_weight_headers(path: str | Path, what: str) -> None:
+    """Read the header of every ``*.safetensors`` file in the directory ``path`` (a few kilobytes each, no tensor
+    data): safetensors checks a header against the file's length, so a file cut short by a copy or a save, an empty
+    one or a Git LFS pointer fails here in milliseconds instead of when a Ray actor loads the model. A byte changed
+    inside the tensor data is not seen (Daedalus's own checkpoints carry sha256 manifests for that).
+
+    Raises:
+        ModelLoadError: a header does not read (``what``: ``"model"`` or ``"adapter"``, for the message).
+    """
+    import safetensors
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safetensors.safe_open(str(f), framework="pt") as handle:
+                handle.keys()
+        except Exception as exc:  # SafetensorError, OSError: the file cannot be what it claims to be
+            raise _unloadable(what, Path(path), f"{f.name}: {error_reason(exc)}") from exc
+
+
 def check_model_paths(model_spec: Any) -> None:
-    """Check, without loading anything, that the directories :func:`load_policy` needs for ``model_spec`` are here:
-    ``model.sftAdapter`` (when set) is a model directory or a PEFT adapter directory, and the base model
-    ``model.path`` holds a checkpoint unless the tiny model is built or the SFT start is a full model. Commands call
-    it before they create their output directories.
+    """Check, without loading any weights, that the directories :func:`load_policy` needs for ``model_spec`` are
+    here: ``model.sftAdapter`` (when set) is a model directory or a PEFT adapter directory with weights, and the base
+    model ``model.path`` holds a checkpoint unless the tiny model is built or the SFT start is a full model; the
+    safetensors headers of each read (:func:`check_weight_headers`). Commands call it before they create their output
+    directories (``daedalus train`` before Ray starts).
 
     Raises:
         FileNotFoundError: naming the field, the path and the way on (Daedalus never downloads models at run time).
+        ModelLoadError: a directory is there but its weights are missing or cut short.
     """
     sft = getattr(model_spec, "sft_adapter", None)
     if sft:
@@ -825,9 +852,15 @@ def check_model_paths(model_spec: Any) -> None:
             raise FileNotFoundError(f"model.sftAdapter {sft!r} is neither a PEFT adapter directory "
                                     "(adapter_config.json) nor a model directory (config.json) on this machine")
         if is_checkpoint_dir(sft):
+            check_weight_headers(sft, "model")
             return  # a full model: it replaces the base
+        _check_adapter_weights(Path(sft))
+        check_weight_headers(sft, "adapter")
     path = getattr(model_spec, "path", None)
-    if getattr(model_spec, "tiny", False) or is_checkpoint_dir(path):
+    if getattr(model_spec, "tiny", False):
+        return  # built when missing or incomplete (resolve_base_dir)
+    if is_checkpoint_dir(path):
+        check_weight_headers(path, "model")
         return
     needs = " and model.sftAdapter is an adapter that needs it as its base model" if sft else ""
     raise FileNotFoundError(

@@ -369,6 +369,9 @@ def _build_into(out: Path, spec: TinySpec) -> None:
     model.generation_config.bos_token_id = None
     model.save_pretrained(out)
     processor.save_pretrained(out)
+    from daedalus_trainer.usage import restore_umask_modes
+
+    restore_umask_modes(out)  # safetensors writes 0600
     meta = asdict(spec)
     meta.pop("extra_corpus")
     (out / TINY_META).write_text(json.dumps(meta, indent=2) + "\n")  # fsynced with the others before the renames

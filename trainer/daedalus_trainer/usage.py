@@ -140,3 +140,28 @@ def _omp_threads(value: str) -> int:
     here), 1 when that is not a whole number >= 1 (an unusable value costs speed, not the command)."""
     first = value.split(",")[0].strip()
     return int(first) if first.isdigit() and int(first) >= 1 else 1
+
+
+def current_umask() -> int:
+    """The process's file-creation mask (e.g. ``0o022``): from ``/proc/self/status`` where Linux gives it, else by
+    setting and restoring it (a moment in which another thread's new file would get mode 0666/0777)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def restore_umask_modes(directory: str | os.PathLike[str]) -> None:
+    """Give the files directly in ``directory`` that were created private (mode 0600) the mode the process's umask
+    gives a new file (0644 under the usual 022). safetensors 0.8 writes its files with mode 0600 whatever the umask,
+    so a model or adapter saved by ``save_pretrained`` could not be read by another user of a shared volume (vLLM
+    serving pods run as another uid) while every other file beside it could."""
+    mode = 0o666 & ~current_umask()
+    for f in Path(directory).iterdir():
+        if f.is_file() and not f.is_symlink() and (f.stat().st_mode & 0o777) == 0o600 and mode != 0o600:
+            os.chmod(f, mode)
