@@ -358,6 +358,38 @@ def is_planned(reason: str | Reason) -> bool:
     return reason in api.PLANNED_REASONS
 
 
+#: Ray's message for an entrypoint that exited non-zero: one sentence, then the driver's last log lines (10 in Ray
+#: 2.60, at most 20,000 characters; ray/dashboard/modules/job/job_supervisor.py), to which handlers.gather adds the
+#: last 600 characters of the job's log. A traceback's lines are long: the first 1024 characters often end before
+#: the error.
+_LOG_TAIL = re.compile(r"(?P<head>Job entrypoint command failed with exit code -?\d+), last available logs "
+                       r"\(truncated to [\d,]+ chars\):\n(?P<logs>.*)", re.DOTALL)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+#: Characters of the driver's last log lines :func:`summarize_ray_message` keeps (conditions and events keep 1024 of
+#: the whole message).
+LOG_TAIL_CHARS = 700
+
+
+def summarize_ray_message(message: str | None, budget: int = LOG_TAIL_CHARS) -> str:
+    """Ray's message for a failed entrypoint with its log tail cut to the last lines, where the cause is (the
+    trainer's ``error:`` line, an exception's last line), rather than to the first ones: ``"Job entrypoint command
+    failed with exit code 2; last log lines: ... | error: cannot load the adapter in ..."`` (lines joined by ``|``,
+    colour codes removed, at most ``budget`` characters of them). Any other message is returned as it is."""
+    m = _LOG_TAIL.fullmatch(message or "")
+    if m is None:
+        return message or ""
+    lines = [line.strip() for line in _ANSI.sub("", m["logs"]).splitlines() if line.strip()]
+    kept: list[str] = []
+    size = 0
+    for line in reversed(lines):
+        if kept and size + len(line) + 3 > budget:
+            break
+        kept.append(line if len(line) <= budget else "..." + line[-budget:])
+        size += len(line) + 3
+    return f"{m['head']}; last log lines: " + " | ".join(reversed(kept)) if kept else m["head"]
+
+
 def classify_failure(ray_job: RayJobObservation, health: NodeHealth) -> tuple[Reason, str | None, str]:
     """Why did the Ray job end without success? ``(reason, node, message)``.
 
@@ -366,7 +398,7 @@ def classify_failure(ray_job: RayJobObservation, health: NodeHealth) -> tuple[Re
     :data:`INFRASTRUCTURE_PATTERNS` (JobFailed), else ApplicationError.
     """
     issue = health.first_issue()
-    detail = f"Ray job {ray_job.state.value}: {ray_job.message}".strip().rstrip(":")
+    detail = f"Ray job {ray_job.state.value}: {summarize_ray_message(ray_job.message)}".strip().rstrip(":")
     if issue is not None:
         reason, node, message = issue
         return reason, node, f"{message}; {detail}"

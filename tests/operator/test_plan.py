@@ -619,6 +619,30 @@ def test_classify_failure_messages(message: str, reason: Reason) -> None:
     assert got == reason and node is None and message in msg
 
 
+def test_a_failed_entrypoint_s_message_keeps_the_last_log_lines_where_the_cause_is() -> None:
+    """Ray's message for a failed entrypoint carries the driver's last log lines (up to 20,000 characters); the
+    conditions and events keep 1024 characters of the message, which could end before the trainer's error, the last
+    line. Now the last lines are kept, colour codes removed."""
+    chatter = "".join(f"2026-12-06 22:10:{i % 60:02d},775 INFO worker.py:2038 -- \x1b[36mline {i}\x1b[0m\n"
+                      for i in range(300))
+    message = ("Job entrypoint command failed with exit code 2, last available logs (truncated to 20,000 chars):\n"
+               + chatter + "error: cannot load the adapter in /fsx/sft: adapter_model.safetensors: Error while "
+               "deserializing header: incomplete metadata, file not fully covered\n")
+    reason, node, msg = p.classify_failure(p.RayJobObservation(p.RayJobState.FAILED, message), NodeHealth())
+    assert reason == Reason.APPLICATION_ERROR and node is None
+    assert msg.startswith("Ray job FAILED: Job entrypoint command failed with exit code 2; last log lines: ")
+    assert msg.endswith("| error: cannot load the adapter in /fsx/sft: adapter_model.safetensors: Error while "
+                        "deserializing header: incomplete metadata, file not fully covered")
+    assert "line 299 | error:" in msg and "line 0 " not in msg and "\x1b" not in msg
+    assert len(msg) <= 1024 - len("ApplicationError: ")
+    no_logs = "Job entrypoint command failed with exit code 1. No logs available."
+    assert p.summarize_ray_message(no_logs) == no_logs and p.summarize_ray_message(None) == ""
+    long_line = "Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 chars):\n" \
+        + "x" * 5000 + "\n"
+    assert p.summarize_ray_message(long_line) == "Job entrypoint command failed with exit code 1; last log lines: " \
+        "..." + "x" * p.LOG_TAIL_CHARS
+
+
 def test_classify_prefers_node_evidence() -> None:
     got, node, msg = p.classify_failure(p.RayJobObservation(p.RayJobState.FAILED, "exit code 1"), ANNOUNCED)
     assert (got, node) == (Reason.NODE_REPLACEMENT, "node-b") and "exit code 1" in msg

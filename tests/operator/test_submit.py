@@ -56,6 +56,28 @@ def test_stop_and_failure_message(ray_head) -> None:
     assert "exit code 3" in jobs.status(bad).message
 
 
+def test_a_real_failed_entrypoint_s_message_is_summarized_to_its_last_log_lines(ray_head) -> None:
+    """Ray's own message for an entrypoint that failed after long log lines (the form summarize_ray_message parses;
+    Ray 2.60 quotes the last 10 lines): the raw message's first 1024 characters, what a condition keeps, miss the
+    error at its end; the summary ends with it."""
+    from daedalus_operator.plan import summarize_ray_message
+
+    jobs = RayJobs(ray_head.dashboard_url)
+    sid = f"t-tail-{time.time_ns()}-a1"
+    script = ("import sys; [print(f'chatter line {i} ' + 'x' * 200) for i in range(50)]; "
+              "print('error: model.path holds no checkpoint', file=sys.stderr); sys.exit(2)")
+    jobs.submit(sid, f'{sys.executable} -c "{script}"')
+    assert wait_state(jobs, sid, {RayJobState.FAILED, RayJobState.SUCCEEDED}) == RayJobState.FAILED
+    message = jobs.status(sid).message
+    assert message.startswith("Job entrypoint command failed with exit code 2, last available logs")
+    assert message.rstrip().endswith("error: model.path holds no checkpoint")
+    assert "error:" not in f"Ray job FAILED: {message}"[:1024]  # what the status kept before
+    summary = summarize_ray_message(message)
+    assert summary.startswith("Job entrypoint command failed with exit code 2; last log lines: ")
+    assert summary.endswith(" | error: model.path holds no checkpoint"), summary
+    assert "chatter line 49 " in summary and len(summary) < 800
+
+
 @pytest.mark.slow
 def test_ray_token_authentication_against_a_real_head() -> None:
     """A real Ray head with token authentication, as the operator's RayClusters run (RAY_AUTH_MODE=token,
