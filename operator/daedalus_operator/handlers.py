@@ -66,6 +66,7 @@ from daedalus_operator.plan import (
     TrainerObservation,
     expected_pods,
     plan,
+    quotes_log_tail,
 )
 from daedalus_operator.settings import OperatorSettings
 from daedalus_operator.status import compute_status, merge_patch
@@ -472,7 +473,8 @@ def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
             ray_job = jobs.status(st.submission_id)
             if ray_job.unauthorized:
                 rt.tokens.pop(job.uid, None)  # the Secret may have been replaced: read the token again
-            if ray_job.state == RayJobState.FAILED and st.phase in (api.Phase.RUNNING, api.Phase.CHECKPOINTING):
+            if (ray_job.state == RayJobState.FAILED and st.phase in (api.Phase.RUNNING, api.Phase.CHECKPOINTING)
+                    and not quotes_log_tail(ray_job.message)):  # Ray's own message quotes the last lines already
                 tail = jobs.logs(st.submission_id, 600).strip()
                 if tail:
                     ray_job = RayJobObservation(ray_job.state, f"{ray_job.message}\n...{tail[-600:]}")

@@ -359,9 +359,9 @@ def is_planned(reason: str | Reason) -> bool:
 
 
 #: Ray's message for an entrypoint that exited non-zero: one sentence, then the driver's last log lines (10 in Ray
-#: 2.60, at most 20,000 characters; ray/dashboard/modules/job/job_supervisor.py), to which handlers.gather adds the
-#: last 600 characters of the job's log. A traceback's lines are long: the first 1024 characters often end before
-#: the error.
+#: 2.60, at most 20,000 characters; ray/dashboard/modules/job/job_supervisor.py); handlers.gather adds the last 600
+#: characters of the job's log to any other message. A traceback's lines are long: the first 1024 characters often
+#: end before the error.
 _LOG_TAIL = re.compile(r"(?P<head>Job entrypoint command failed with exit code -?\d+), last available logs "
                        r"\(truncated to [\d,]+ chars\):\n(?P<logs>.*)", re.DOTALL)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -369,6 +369,11 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 #: Characters of the driver's last log lines :func:`summarize_ray_message` keeps (conditions and events keep 1024 of
 #: the whole message).
 LOG_TAIL_CHARS = 700
+
+
+def quotes_log_tail(message: str | None) -> bool:
+    """Whether ``message`` is Ray's failed-entrypoint message, which already quotes the driver's last log lines."""
+    return _LOG_TAIL.fullmatch(message or "") is not None
 
 
 def summarize_ray_message(message: str | None, budget: int = LOG_TAIL_CHARS) -> str:

@@ -105,10 +105,10 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
                                                  (signal.SIGTERM, 143, r"stopped \(SIGTERM\)")], ids=["ctrl-c", "sigterm"])
 def test_a_signal_during_grpo_checkpoints_the_step_and_the_rerun_resumes_there(sft_start, tmp_path, signum, code,
                                                                                said):
-    """Ctrl-C as a terminal sends it (SIGINT to the whole process group), or SIGTERM to it (kill, timeout), during
-    GRPO: the step in progress ends, its checkpoint is written although no periodic one is due (intervalSteps 100),
-    the command exits 130 / 143 saying so, and the same command resumes from that step and finishes. Before, the
-    interrupt lost every step since the last periodic checkpoint (here: all of them)."""
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group), or SIGTERM to the process (kill,
+    timeout), during GRPO: the step in progress ends, its checkpoint is written although no periodic one is due
+    (intervalSteps 100), the command exits 130 / 143 saying so, and the same command resumes from that step and
+    finishes. Before, the interrupt lost every step since the last periodic checkpoint (here: all of them)."""
     import threading
 
     job = tiny_job_dict(model={"sftAdapter": str(sft_start)}, environment={"evalMazes": 4},
@@ -135,7 +135,10 @@ def test_a_signal_during_grpo_checkpoints_the_step_and_the_rerun_resumes_there(s
     reader.start()
     try:
         assert first_step.wait(600), "".join(lines)[-3000:]
-        os.killpg(proc.pid, signum)  # what Ctrl-C in a terminal does: the whole foreground group
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signum)  # what Ctrl-C in a terminal does: the whole foreground group
+        else:
+            proc.send_signal(signum)  # what kill, timeout or a container stop do: the process
         assert proc.wait(300) == code, "".join(lines)[-3000:]
     finally:
         if proc.poll() is None:

@@ -635,6 +635,7 @@ def test_a_failed_entrypoint_s_message_keeps_the_last_log_lines_where_the_cause_
                         "deserializing header: incomplete metadata, file not fully covered")
     assert "line 299 | error:" in msg and "line 0 " not in msg and "\x1b" not in msg
     assert len(msg) <= 1024 - len("ApplicationError: ")
+    assert p.quotes_log_tail(message) and not p.quotes_log_tail("exit code 1") and not p.quotes_log_tail(None)
     no_logs = "Job entrypoint command failed with exit code 1. No logs available."
     assert p.summarize_ray_message(no_logs) == no_logs and p.summarize_ray_message(None) == ""
     long_line = "Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 chars):\n" \

@@ -395,6 +395,11 @@ def test_malformed_yaml_is_a_spec_error(tmp_path):
         c.load_job(f)
     assert info.value.errors == [("(syntax)", "line 2, column 1: expected ',' or ']', but got '<stream end>' (while "
                                   "parsing a flow sequence from line 1, column 7)")]
+    f.write_text("spec:\n  a: 1\x00\n")  # a character YAML refuses: PyYAML names a position, not a line
+    with pytest.raises(c.SpecError) as info:
+        c.load_job(f)
+    assert info.value.errors == [("(syntax)", "character 13 of the file: special characters are not allowed "
+                                              "(#x0000)")]
 
 
 # ------------------------------------------------------------------------------------------------ spec edits mid-run

@@ -940,6 +940,38 @@ def test_a_cut_short_start_or_base_model_is_one_line_before_ray_or_any_output(tm
     assert ray.is_initialized() == ray_before
 
 
+def test_check_model_paths_finds_missing_shards_no_weights_and_non_torch_bin_files(tmp_path):
+    """The model-directory checks beyond safetensors headers: a sharded checkpoint whose index names a shard that is
+    not there, a directory with config.json and no weights at all, a .bin that is not a torch.save file (a Git LFS
+    pointer); a good .bin (zip) and a complete sharded checkpoint pass."""
+    import types
+
+    import safetensors.torch
+    import torch
+
+    from daedalus_trainer.policy import ModelLoadError, check_model_paths
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    spec = types.SimpleNamespace(sft_adapter=str(model), path=None, tiny=False)
+    with pytest.raises(ModelLoadError, match=r"it has no weight files \(\*\.safetensors or \*\.bin\)"):
+        check_model_paths(spec)
+    safetensors.torch.save_file({"a": torch.zeros(2)}, str(model / "model-00001-of-00002.safetensors"))
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ModelLoadError, match="model.safetensors.index.json names shards that are not there: "
+                                             "model-00002-of-00002.safetensors"):
+        check_model_paths(spec)
+    safetensors.torch.save_file({"b": torch.zeros(2)}, str(model / "model-00002-of-00002.safetensors"))
+    check_model_paths(spec)  # complete
+    torch.save({"w": torch.zeros(2)}, model / "extra.bin")
+    check_model_paths(spec)  # a zip written by torch.save
+    (model / "pytorch_model.bin").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n")
+    with pytest.raises(ModelLoadError, match=r"pytorch_model.bin is not a torch.save file \(it starts with b'vers'\)"):
+        check_model_paths(spec)
+
+
 def test_run_refuses_a_chosen_port_that_is_taken_before_any_work(tmp_path, capsys, monkeypatch):
     """`daedalus run --port N` (or $DAEDALUS_METRICS_PORT=N) with N taken: one `error:` line, exit 2, nothing
     created (before, the run went on and, minutes later at GRPO, quietly served on another port)."""

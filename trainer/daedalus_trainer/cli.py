@@ -322,8 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latest (default) | none | PATH of a checkpoint (directory step-NNNNNN or a checkpoints/ root)")
     s.add_argument("--port", type=_port_option, default=os.environ.get("DAEDALUS_METRICS_PORT"),
                    help="metrics/control HTTP port on 127.0.0.1 (0: pick a free one; default $DAEDALUS_METRICS_PORT, "
-                        "else 9400, or a free port when 9400 is taken). A port given here or in the variable must be "
-                        "free: checked before any work")
+                        "else 9400). A port given here or in the variable must be free: checked before any work. "
+                        "Taken by another program by the time GRPO starts, either gives way to a free port, with a "
+                        "warning")
     s.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("train", help="GRPO training (what the Ray job runs on a cluster)",

@@ -1026,6 +1026,9 @@ def yaml_error_line(exc: yaml.YAMLError) -> str:
     and from where, e.g. ``line 3, column 7: expected ',' or '}', but got ':' (while parsing a flow mapping from line
     2, column 10)``. PyYAML's own text spans four or five lines and repeats the file name at each mark. Lines and
     columns count from 1."""
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow (a NUL byte, ...)
+        code = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        return f"character {exc.position + 1} of the file: {exc.reason} (#x{code:04x})"
     if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
         return " ".join(str(exc).split())
 

@@ -1164,19 +1164,19 @@ class StopOnSignal:
             self._installed = False
 
 
-def stop_on_sigterm(control: Any) -> StopOnSignal:
+def stop_on_sigterm(control: Any, ended_exit: int = 0) -> StopOnSignal:
     """SIGTERM stops ``daedalus train`` (and ``daedalus run``'s GRPO) after a checkpoint of the step in progress
     (:class:`StopOnSignal`); ``daedalus train`` then exits 0 (the operator resumes it), ``daedalus run`` 143. Who
     sends it: ``ray job stop`` (Ray's job supervisor signals the entrypoint's process group, then kills it after
     ``RAY_JOB_STOP_WAIT_TIME_S``, 3 s by default, which covers a short step only; the operator stops a running
     trainer with ``POST /stop`` first), ``kill``, ``timeout``, a container runtime's stop. A second
     SIGTERM exits at once (``SystemExit`` with :data:`SIGTERM_EXIT`); one after the run ended (while
-    ``DAEDALUS_METRICS_LINGER_SECONDS`` keeps the endpoint up) exits 0. Replaces Ray's driver handler (``ray.init``
-    installs one that exits at once) while inside.
+    ``DAEDALUS_METRICS_LINGER_SECONDS`` keeps the endpoint up) exits ``ended_exit``. Replaces Ray's driver handler
+    (``ray.init`` installs one that exits at once) while inside.
     """
     import signal
 
-    return StopOnSignal(control, signal.SIGTERM, again=SystemExit(SIGTERM_EXIT), ended=SystemExit(0),
+    return StopOnSignal(control, signal.SIGTERM, again=SystemExit(SIGTERM_EXIT), ended=SystemExit(ended_exit),
                         note="the step in progress ends, its checkpoint is written, then the run stops "
                              "(a second SIGTERM exits at once)")
 

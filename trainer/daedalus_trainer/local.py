@@ -42,6 +42,7 @@ def _free_port(preferred: int) -> int:
     """``preferred`` if it can be bound on 127.0.0.1, else a free port (0 asks for a free one)."""
     if preferred:
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is free
             try:
                 s.bind(("127.0.0.1", preferred))
                 return preferred
@@ -170,8 +171,9 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     """Run SFT (if needed) -> eval -> GRPO -> eval for the job in ``job_path`` and print the report.
 
     ``port``: the metrics/control port on 127.0.0.1. One given (``--port``, ``$DAEDALUS_METRICS_PORT``) must be free
-    now, before any work (0 picks a free one); None serves on :data:`DEFAULT_PORT`, or on a free port when that one is
-    taken when GRPO starts (a warning says so). Returns the process exit code (0 on success).
+    now, before any work (0 picks a free one); None serves on :data:`DEFAULT_PORT`. Either, when another program has
+    taken it by the time GRPO starts, gives way to a free port (a warning says so). Returns the process exit code (0
+    on success; 130 / 143 after a Ctrl-C / SIGTERM during GRPO).
 
     Raises:
         daedalus_trainer.config.SpecError: the YAML is invalid (every error with its field path).
@@ -266,6 +268,9 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
 
     # 3. GRPO
     console.rule("GRPO (LoRA) on a local Ray")
+    import signal
+
+    sigterm_before_ray = signal.getsignal(signal.SIGTERM)  # ray.init installs a handler that exits 15
     init_ray(local=True)
     port = _free_port(DEFAULT_PORT if port is None else port)
     progress = _Progress(console, job.spec.algorithm.steps)
@@ -274,11 +279,14 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                       final_eval=False)  # the full before/after evaluation below replaces it
     with TrainerServer(trainer.metrics, trainer.control, host="127.0.0.1", port=port) as server:
         console.print(f"metrics and status: {server.url}/metrics  {server.url}/status")
-        with progress, stop_on_sigint(trainer.control) as ctrl_c, stop_on_sigterm(trainer.control) as sigterm:
+        with (progress, stop_on_sigint(trainer.control) as ctrl_c,
+              stop_on_sigterm(trainer.control, ended_exit=SIGTERM_EXIT) as sigterm):
             result = trainer.train(resume=start)
     import ray
 
     ray.shutdown()
+    if sigterm_before_ray is not None:  # the evaluation after GRPO: a SIGTERM ends it as before Ray (143 for a shell)
+        signal.signal(signal.SIGTERM, sigterm_before_ray)
     why, code = (("interrupted (Ctrl-C)", 130) if ctrl_c.received else
                  ("stopped (SIGTERM)", SIGTERM_EXIT) if sigterm.received else
                  ("training stopped before the end", 0))

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import threading
 import shutil
 from collections import OrderedDict
@@ -814,23 +815,60 @@ def load_pretrained(path: str | Path, dtype: str = "float32", device: torch.devi
     return Policy(model, processor, path, dev)
 
 
+#: Index files of a sharded checkpoint (transformers' ``SAFE_WEIGHTS_INDEX_NAME`` / ``WEIGHTS_INDEX_NAME``): their
+#: ``weight_map`` names every shard.
+WEIGHT_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
 def check_weight_headers(path: str | Path, what: str) -> None:
-    """Read the header of every ``*.safetensors`` file in the directory ``path`` (a few kilobytes each, no tensor
-    data): safetensors checks a header against the file's length, so a file cut short by a copy or a save, an empty
-    one or a Git LFS pointer fails here in milliseconds instead of when a Ray actor loads the model. A byte changed
-    inside the tensor data is not seen (Daedalus's own checkpoints carry sha256 manifests for that).
+    """Check the weight files of the model or adapter directory ``path`` without loading them (milliseconds): there
+    is at least one (``*.safetensors`` or ``*.bin``); every shard a sharded checkpoint's index
+    (:data:`WEIGHT_INDEX_FILES`) names is there; each file can be read by this process; each ``*.safetensors``
+    header reads (safetensors checks it against the file's length, so a file cut short by a copy or a save, an empty
+    one or a Git LFS pointer fails); each ``*.bin`` starts as ``torch.save`` writes (a zip archive, or a pickle for
+    torch < 1.6). A byte changed inside the tensor data is not seen (Daedalus's own checkpoints carry sha256
+    manifests for that).
 
     Raises:
-        ModelLoadError: a header does not read (``what``: ``"model"`` or ``"adapter"``, for the message).
+        ModelLoadError: one of these does not hold (``what``: ``"model"`` or ``"adapter"``, for the message).
     """
     import safetensors
 
-    for f in sorted(Path(path).glob("*.safetensors")):
+    path = Path(path)
+    files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".bin") and f.is_file()
+                   and f.name != "training_args.bin")  # the Trainer's pickled arguments, not weights
+    if not files:
+        raise ModelLoadError(f"cannot load the {what} in {path}: it has no weight files (*.safetensors or *.bin): "
+                             "copy or save it again")
+    for index in WEIGHT_INDEX_FILES:
+        if (path / index).is_file():
+            try:
+                shards = set(json.loads((path / index).read_text(encoding="utf-8"))["weight_map"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise _unloadable(what, path, f"{index}: {error_reason(exc)}") from exc
+            missing = sorted(name for name in shards if not (path / str(name)).is_file())
+            if missing:
+                raise _unloadable(what, path, f"{index} names shards that are not there: {', '.join(missing[:3])}"
+                                  + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+    for f in files:
         try:
-            with safetensors.safe_open(str(f), framework="pt") as handle:
-                handle.keys()
+            with open(f, "rb") as handle:
+                head = handle.read(4)
+        except PermissionError:
+            raise ModelLoadError(f"cannot read {f}: permission denied for uid {os.getuid()} (mode "
+                                 f"{f.stat().st_mode & 0o777:o}): make it readable by the user the command runs "
+                                 "as") from None
+        except OSError as exc:
+            raise _unloadable(what, path, f"{f.name}: {error_reason(exc)}") from exc
+        if f.suffix == ".bin":
+            if not (head.startswith(b"PK\x03\x04") or head.startswith(b"\x80")):
+                raise _unloadable(what, path, f"{f.name} is not a torch.save file (it starts with {head!r})")
+            continue
+        try:
+            with safetensors.safe_open(str(f), framework="pt") as reader:
+                reader.keys()
         except Exception as exc:  # SafetensorError, OSError: the file cannot be what it claims to be
-            raise _unloadable(what, Path(path), f"{f.name}: {error_reason(exc)}") from exc
+            raise _unloadable(what, path, f"{f.name}: {error_reason(exc)}") from exc
 
 
 def check_model_paths(model_spec: Any) -> None:

@@ -142,9 +142,9 @@ def _omp_threads(value: str) -> int:
     return int(first) if first.isdigit() and int(first) >= 1 else 1
 
 
-def current_umask() -> int:
-    """The process's file-creation mask (e.g. ``0o022``): from ``/proc/self/status`` where Linux gives it, else by
-    setting and restoring it (a moment in which another thread's new file would get mode 0666/0777)."""
+def _umask_now() -> int:
+    """The file-creation mask, read without changing it where Linux gives it (``/proc/self/status``), else by setting
+    and restoring it (done once, at import: a new file of another thread in that instant would get mode 0644/0755)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
@@ -156,12 +156,30 @@ def current_umask() -> int:
     return mask
 
 
+_UMASK_AT_IMPORT = _umask_now() if not Path("/proc/self/status").is_file() else None
+
+
+def current_umask() -> int:
+    """The process's file-creation mask (e.g. ``0o022``): from ``/proc/self/status`` on Linux, elsewhere the mask the
+    process had when this module was imported."""
+    return _UMASK_AT_IMPORT if _UMASK_AT_IMPORT is not None else _umask_now()
+
+
 def restore_umask_modes(directory: str | os.PathLike[str]) -> None:
-    """Give the files directly in ``directory`` that were created private (mode 0600) the mode the process's umask
-    gives a new file (0644 under the usual 022). safetensors 0.8 writes its files with mode 0600 whatever the umask,
-    so a model or adapter saved by ``save_pretrained`` could not be read by another user of a shared volume (vLLM
-    serving pods run as another uid) while every other file beside it could."""
+    """Give the ``*.safetensors`` files directly in ``directory`` that are private (mode 0600) the mode the process's
+    umask gives a new file (0644 under the usual 022). safetensors 0.8 writes its files with mode 0600 whatever the
+    umask, so a model or adapter saved by ``save_pretrained`` could not be read by another user of a shared volume
+    (vLLM serving pods run as another uid) while every other file beside it could. Best effort: a file that cannot be
+    changed (owned by another user, a file system without modes) keeps its mode, with a warning."""
+    import logging
+
     mode = 0o666 & ~current_umask()
-    for f in Path(directory).iterdir():
-        if f.is_file() and not f.is_symlink() and (f.stat().st_mode & 0o777) == 0o600 and mode != 0o600:
-            os.chmod(f, mode)
+    if mode == 0o600:
+        return
+    for f in Path(directory).glob("*.safetensors"):
+        try:
+            if f.is_file() and not f.is_symlink() and (f.stat().st_mode & 0o777) == 0o600:
+                os.chmod(f, mode)
+        except OSError as exc:
+            logging.getLogger(__name__).warning("%s keeps mode 0600 (%s): other users cannot read it", f,
+                                                exc.strerror or exc)
