@@ -75,6 +75,7 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     assert f"{report['success_before']:.1%}" in out and f"{report['success_after']:.1%}" in out
     assert "GRPO steps: 2 in" in out
     assert "GRPO step 1/2: reward" in out and "GRPO step 2/2: reward" in out  # progress lines in a log
+    assert "(Ctrl-C: stop after this step, checkpointed; run again to resume)" in out
     assert "last column: greedy, 8 training-layout mazes, 1 corner pair each" in out
     assert "8 layouts x 2 start/goal corner pairs" in out and "held-out greedy gain:" in out
     assert f"{gain['fixed']} episodes fixed, {gain['broken']} broken" in out

@@ -278,7 +278,8 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                       on_resume=progress.resumed,
                       final_eval=False)  # the full before/after evaluation below replaces it
     with TrainerServer(trainer.metrics, trainer.control, host="127.0.0.1", port=port) as server:
-        console.print(f"metrics and status: {server.url}/metrics  {server.url}/status")
+        console.print(f"metrics and status: {server.url}/metrics  {server.url}/status  "
+                      "(Ctrl-C: stop after this step, checkpointed; run again to resume)")
         with (progress, stop_on_sigint(trainer.control) as ctrl_c,
               stop_on_sigterm(trainer.control, ended_exit=SIGTERM_EXIT) as sigterm):
             result = trainer.train(resume=start)
