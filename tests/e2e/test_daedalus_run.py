@@ -73,7 +73,7 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     out = first.stdout
     assert "SFT start" in out and "after GRPO" in out and "greedy, training layouts" in out
     assert f"{report['success_before']:.1%}" in out and f"{report['success_after']:.1%}" in out
-    assert "GRPO steps: 2 in" in out
+    assert "GRPO steps: 2 in" in out and report["grpo_resumed_from"] is None
     assert "GRPO step 1/2: reward" in out and "GRPO step 2/2: reward" in out  # progress lines in a log
     assert "(Ctrl-C: stop after this step, checkpointed; run again to resume)" in out
     assert "last column: greedy, 8 training-layout mazes, 1 corner pair each" in out
@@ -91,6 +91,7 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     assert "Evaluation of the starting point" in first.stdout and "Evaluation of the starting point" not in again.stdout
     second = json.loads((run_dir / "report.json").read_text())
     assert second["steps"] == 2 and second["success_before"] == report["success_before"]
+    assert second["grpo_resumed_from"] is None  # the timings kept are those of the call that trained from step 0
     # nothing left to train: the trained adapter's evaluation is reused too, and the report keeps the timings of the
     # run that trained
     assert "Evaluation after GRPO" in first.stdout and "Evaluation after GRPO" not in again.stdout
@@ -159,5 +160,7 @@ def test_a_signal_during_grpo_checkpoints_the_step_and_the_rerun_resumes_there(s
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumed from the checkpoint at step {stopped_at}" in again.stdout
     report = json.loads((runs / "ctrl-c" / "report.json").read_text())
-    assert report["steps"] == 8
+    assert report["steps"] == 8 and report["grpo_resumed_from"] == stopped_at
+    assert f"GRPO steps: 8, the last {8 - stopped_at} in " in again.stdout  # not "8 in" the rerun's seconds
+    assert f"(resumed from step {stopped_at})" in again.stdout
     assert (runs / "ctrl-c" / "exports" / "adapter" / "adapter_model.safetensors").is_file()

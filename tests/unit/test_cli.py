@@ -623,7 +623,7 @@ def test_the_run_report_names_the_model_and_adapters_by_absolute_paths(tiny_chec
     assert "EVALUATING" not in out.getvalue()
     for ev in before:
         assert (ev["model_path"], ev["adapter_path"]) == (str(tmp_path / "base"), str(tmp_path / "sft-adapter"))
-    result = SimpleNamespace(steps_done=2, wall_seconds=1.0, adapter_dir=Path("exports/adapter"))
+    result = SimpleNamespace(steps_done=2, wall_seconds=1.0, adapter_dir=Path("exports/adapter"), resumed_from=None)
     report = _report(job, before[0], before[0], result, 2.0, training=(before[1], before[1]))
     assert report["adapter"] == str(tmp_path / "run" / "exports" / "adapter")
     assert report["before"]["model_path"] == report["after_training"]["model_path"] == str(tmp_path / "base")
@@ -637,8 +637,12 @@ def test_a_rerun_keeps_the_timings_of_a_readable_report_only(tmp_path, caplog):
     assert _kept_timings(report, 6) is None  # no report yet
     whole = json.dumps({"steps": 6, "wall_seconds": 300.5, "grpo_wall_seconds": 120.0}, indent=2)
     report.write_text(whole)
-    assert _kept_timings(report, 6) == (300.5, 120.0)
+    assert _kept_timings(report, 6) == (300.5, 120.0, None)  # a report from before grpo_resumed_from
     assert _kept_timings(report, 8) is None  # the report of a shorter run
+    report.write_text(json.dumps({"steps": 6, "wall_seconds": 300.5, "grpo_wall_seconds": 90.0,
+                                  "grpo_resumed_from": 2}))
+    assert _kept_timings(report, 6) == (300.5, 90.0, 2)
+    report.write_text(whole)
     report.write_text(whole[:20])
     with caplog.at_level(logging.WARNING, logger="daedalus.local"):
         assert _kept_timings(report, 6) is None

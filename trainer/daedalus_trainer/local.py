@@ -127,11 +127,12 @@ def _cached_evaluation(console, job, model_path: str, adapter_path: str | None, 
     return evaluated
 
 
-def _kept_timings(report_file: Path, steps: int) -> tuple[float, float] | None:
-    """``(wall_seconds, grpo_wall_seconds)`` of the earlier ``report.json`` at ``report_file`` when it records the
-    same ``steps`` (a rerun of a finished run keeps the timings of the call that trained), else ``None``: no such
-    file, another step count, or a file that does not parse or lacks them (logged as a warning with its path; the
-    new timings are reported then).
+def _kept_timings(report_file: Path, steps: int) -> tuple[float, float, int | None] | None:
+    """``(wall_seconds, grpo_wall_seconds, grpo_resumed_from)`` of the earlier ``report.json`` at ``report_file`` when
+    it records the same ``steps`` (a rerun of a finished run keeps the timings of the call that trained; the last is
+    None when that call started from step 0 or the report predates the key), else ``None``: no such file, another
+    step count, or a file that does not parse or lacks them (logged as a warning with its path; the new timings are
+    reported then).
 
     Raises:
         OSError: the file exists but cannot be read.
@@ -145,7 +146,8 @@ def _kept_timings(report_file: Path, steps: int) -> tuple[float, float] | None:
     if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in timings):
         log.warning("%s lacks wall_seconds/grpo_wall_seconds: reporting this call's timings", report_file)
         return None
-    return float(timings[0]), float(timings[1])
+    resumed = old.get("grpo_resumed_from")
+    return float(timings[0]), float(timings[1]), resumed if isinstance(resumed, int) and resumed >= 0 else None
 
 
 def _evaluate(job, model_path: str, adapter_path: str | None, console=None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -313,7 +315,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     # A rerun of a finished run: the timings that mean something are those of the call that trained.
     kept = _kept_timings(report_file, result.steps_done) if trained_nothing else None
     if kept is not None:
-        report["wall_seconds"], report["grpo_wall_seconds"] = kept
+        report["wall_seconds"], report["grpo_wall_seconds"], report["grpo_resumed_from"] = kept
         console.print("nothing left to train: the timings below are those of the run that trained")
     from daedalus_trainer.checkpoint import atomic_write_json
 
@@ -347,8 +349,11 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         console.print(f"held-out greedy gain: {100 * gain['gain']:+.1f} points, 95% CI [{100 * gain['ci_low']:+.1f}, "
                       f"{100 * gain['ci_high']:+.1f}] (the same {gain['episodes']} episodes before and after, "
                       f"bootstrap over {pairs}); {gain['fixed']} episodes fixed, {gain['broken']} broken")
-    console.print(f"GRPO steps: {report['steps']} in {report['grpo_wall_seconds']:.0f} s  "
-                  f"whole run: {report['wall_seconds']:.0f} s  "
+    resumed = report["grpo_resumed_from"]
+    grpo = (f"GRPO steps: {report['steps']} in {report['grpo_wall_seconds']:.0f} s" if not resumed else
+            f"GRPO steps: {report['steps']}, the last {report['steps'] - resumed} in {report['grpo_wall_seconds']:.0f} s "
+            f"(resumed from step {resumed})")
+    console.print(f"{grpo}  whole run: {report['wall_seconds']:.0f} s  "
                   f"adapter: {escape(_shown(result.adapter_dir))}  curves: {escape(_shown(curves))}  "
                   f"report: {escape(_shown(run_dir / 'report.json'))}")
     return 0
@@ -398,7 +403,8 @@ def _report(job, before: dict, after: dict, result, wall: float, training: tuple
     ``wall_seconds`` (keys fixed by the GRPO issue), ``gain`` (:func:`~daedalus_trainer.evaluation.paired_gain` of
     the greedy held-out episodes: ``gain``, ``ci_low``, ``ci_high`` as fractions, episodes ``fixed``/``broken``;
     None when an evaluation lacks per-episode outcomes), ``eval_mazes`` (layouts) and ``eval_corners``, sampled
-    success, GRPO seconds, ``training_success_before``/``training_success_after`` (greedy on training layouts, from
+    success, GRPO seconds (``grpo_wall_seconds``, of the call that trained: with ``grpo_resumed_from`` set, the
+    steps after that one), ``training_success_before``/``training_success_after`` (greedy on training layouts, from
     ``training`` = the before/after evaluations there); the full evaluation reports under ``before``, ``after``,
     ``before_training``, ``after_training`` (their ``model_path``/``adapter_path`` absolute, see
     :func:`_cached_evaluation`); ``adapter``, the absolute path of the exported adapter."""
@@ -423,6 +429,7 @@ def _report(job, before: dict, after: dict, result, wall: float, training: tuple
         "steps": result.steps_done,
         "wall_seconds": wall,
         "grpo_wall_seconds": result.wall_seconds,
+        "grpo_resumed_from": result.resumed_from,
         "adapter": os.path.abspath(result.adapter_dir),
         "before": before,
         "after": after,
