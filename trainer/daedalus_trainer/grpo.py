@@ -691,6 +691,14 @@ class Trainer:
                 save(step_now, wait=True)
             return self.control.stop_requested()
 
+        def answer_with(ckpt: Any) -> bool:
+            # A request that came while an evaluation runs whose adapter is checkpoint ``ckpt``'s (the one resumed
+            # from, or the last step's): answered by it at once. A stop abandons the evaluation: the resumed-from
+            # checkpoint still records it as pending, and a resume at the last step evaluates again.
+            if ckpt is not None:
+                self.control.checkpoint_done(ckpt)
+            return self.control.stop_requested()
+
         saved_step = step if loaded is not None else -1
         if (pending_eval == step and self._eval_due(step) and history and history[-1]["step"] == step
                 and "eval_success_ratio" not in history[-1] and not self.control.stop_requested()):
@@ -699,18 +707,11 @@ class Trainer:
             # is answered first, by the checkpoint resumed from (the learner's state is that one).
             if self.control.checkpoint_requested():
                 self.control.checkpoint_done(latest)
-
-            def answer_resumed() -> bool:
-                # one that comes in during the evaluation: the same answer, at once; a stop abandons the evaluation
-                # (the checkpoint still records it as pending)
-                self.control.checkpoint_done(latest)
-                return self.control.stop_requested()
-
-            ratio = self._evaluate(learner, workers, step, on_request=answer_resumed)
+            ratio = self._evaluate(learner, workers, step, on_request=lambda: answer_with(latest))
             if ratio is not None:
                 history[-1] = {**history[-1], "eval_success_ratio": ratio}
                 if self.control.unanswered():  # one that came in as the evaluation ended: the same answer
-                    answer_resumed()
+                    answer_with(latest)
         self.control.set_status(phase="training", step=step)
         stopped = False
         try:
@@ -775,14 +776,10 @@ class Trainer:
             raise
         latest = checkpointer.close()  # the last checkpoint must be on disk before exporting or exiting
         if not stopped and self.final_eval and step == algo.steps:
-            def answer_final() -> bool:
-                if latest is not None and latest.step == step:  # the last step's checkpoint: it is the answer
-                    self.control.checkpoint_done(latest)
-                # A stop (the operator then ends the Ray job) abandons the final evaluation; the adapter is still
-                # exported (a copy, milliseconds), and a resumed run at the last step evaluates again.
-                return self.control.stop_requested()
-
-            self.final_eval_success = self._evaluate(learner, workers, step, on_request=answer_final)
+            # A stop during the final evaluation (the operator then ends the Ray job) abandons it; the adapter is
+            # still exported below (a copy, milliseconds).
+            final = latest if latest is not None and latest.step == step else None
+            self.final_eval_success = self._evaluate(learner, workers, step, on_request=lambda: answer_with(final))
         adapter_dir = None
         if not stopped and latest is not None:
             adapter_dir = export_adapter(latest, self.run_dir / "exports" / "adapter")

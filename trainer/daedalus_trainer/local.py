@@ -39,15 +39,16 @@ log = logging.getLogger("daedalus.local")
 
 
 def _free_port(preferred: int) -> int:
-    """``preferred`` if it can be bound on 127.0.0.1, else a free port (0 asks for a free one)."""
+    """``preferred`` if it can be bound on 127.0.0.1 (:func:`~daedalus_trainer.usage.check_port_free`, which binds as
+    the server does), else a free port (0 asks for a free one)."""
+    from daedalus_trainer.usage import UsageError, check_port_free
+
     if preferred:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is free
-            try:
-                s.bind(("127.0.0.1", preferred))
-                return preferred
-            except OSError:
-                log.warning("port %d is taken; serving metrics on a free port instead", preferred)
+        try:
+            check_port_free("127.0.0.1", preferred, "--port")
+            return preferred
+        except UsageError:
+            log.warning("port %d is taken; serving metrics on a free port instead", preferred)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

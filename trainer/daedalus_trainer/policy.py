@@ -820,7 +820,7 @@ def load_pretrained(path: str | Path, dtype: str = "float32", device: torch.devi
 WEIGHT_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-def check_weight_headers(path: str | Path, what: str) -> None:
+def check_weight_files(path: str | Path, what: str) -> None:
     """Check the weight files of the model or adapter directory ``path`` without loading them (milliseconds): there
     is at least one (``*.safetensors`` or ``*.bin``); every shard a sharded checkpoint's index
     (:data:`WEIGHT_INDEX_FILES`) names is there; each file can be read by this process; each ``*.safetensors``
@@ -871,12 +871,13 @@ def check_weight_headers(path: str | Path, what: str) -> None:
             raise _unloadable(what, path, f"{f.name}: {error_reason(exc)}") from exc
 
 
-def check_model_paths(model_spec: Any) -> None:
+def check_model_paths(model_spec: Any, *, weights: bool = True) -> None:
     """Check, without loading any weights, that the directories :func:`load_policy` needs for ``model_spec`` are
     here: ``model.sftAdapter`` (when set) is a model directory or a PEFT adapter directory with weights, and the base
-    model ``model.path`` holds a checkpoint unless the tiny model is built or the SFT start is a full model; the
-    safetensors headers of each read (:func:`check_weight_headers`). Commands call it before they create their output
-    directories (``daedalus train`` before Ray starts).
+    model ``model.path`` holds a checkpoint unless the tiny model is built or the SFT start is a full model; with
+    ``weights``, each one's weight files too (:func:`check_weight_files`). Commands call it before they create their
+    output directories (``daedalus train`` before Ray starts); :func:`resolve_start`, on every model load, checks the
+    paths only (the load itself reports damaged weights).
 
     Raises:
         FileNotFoundError: naming the field, the path and the way on (Daedalus never downloads models at run time).
@@ -890,15 +891,18 @@ def check_model_paths(model_spec: Any) -> None:
             raise FileNotFoundError(f"model.sftAdapter {sft!r} is neither a PEFT adapter directory "
                                     "(adapter_config.json) nor a model directory (config.json) on this machine")
         if is_checkpoint_dir(sft):
-            check_weight_headers(sft, "model")
+            if weights:
+                check_weight_files(sft, "model")
             return  # a full model: it replaces the base
         _check_adapter_weights(Path(sft))
-        check_weight_headers(sft, "adapter")
+        if weights:
+            check_weight_files(sft, "adapter")
     path = getattr(model_spec, "path", None)
     if getattr(model_spec, "tiny", False):
         return  # built when missing or incomplete (resolve_base_dir)
     if is_checkpoint_dir(path):
-        check_weight_headers(path, "model")
+        if weights:
+            check_weight_files(path, "model")
         return
     needs = " and model.sftAdapter is an adapter that needs it as its base model" if sft else ""
     raise FileNotFoundError(
@@ -935,7 +939,7 @@ def resolve_start(model_spec: Any, work_dir: str | Path | None = None) -> Start:
         FileNotFoundError: as :func:`check_model_paths` (a missing start or base model; no downloads).
     """
     sft = getattr(model_spec, "sft_adapter", None)
-    check_model_paths(model_spec)
+    check_model_paths(model_spec, weights=False)  # the commands checked the weight files before starting
     base_dir = Path(sft) if is_checkpoint_dir(sft) else resolve_base_dir(model_spec, work_dir)
     return Start(base_dir, Path(sft) if sft and is_adapter_dir(sft) else None)
 

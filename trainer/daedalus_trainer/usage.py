@@ -142,27 +142,33 @@ def _omp_threads(value: str) -> int:
     return int(first) if first.isdigit() and int(first) >= 1 else 1
 
 
-def _umask_now() -> int:
-    """The file-creation mask, read without changing it where Linux gives it (``/proc/self/status``), else by setting
-    and restoring it (done once, at import: a new file of another thread in that instant would get mode 0644/0755)."""
+def _umask_from_proc() -> int | None:
+    """The file-creation mask as Linux reports it (``/proc/self/status``, without changing it); None elsewhere."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _umask_by_setting() -> int:
+    """The file-creation mask read by setting it and putting it back (a new file of another thread in that instant
+    would get mode 0644/0755): done once, at import, where /proc does not give it."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
 
-_UMASK_AT_IMPORT = _umask_now() if not Path("/proc/self/status").is_file() else None
+_UMASK_AT_IMPORT = _umask_by_setting() if _umask_from_proc() is None else None
 
 
 def current_umask() -> int:
     """The process's file-creation mask (e.g. ``0o022``): from ``/proc/self/status`` on Linux, elsewhere the mask the
     process had when this module was imported."""
-    return _UMASK_AT_IMPORT if _UMASK_AT_IMPORT is not None else _umask_now()
+    mask = _umask_from_proc()
+    return mask if mask is not None else (_UMASK_AT_IMPORT if _UMASK_AT_IMPORT is not None else _umask_by_setting())
 
 
 def restore_umask_modes(directory: str | os.PathLike[str]) -> None:
