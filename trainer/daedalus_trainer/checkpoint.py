@@ -84,13 +84,16 @@ __all__ = [
     "LoadedCheckpoint",
     "ManifestProblem",
     "Opener",
+    "RootEntry",
     "TrainerState",
     "atomic_write_json",
     "atomic_write_text",
     "capture_rng_state",
     "checkpoint_dir_name",
+    "delete_abandoned",
     "error_reason",
     "export_adapter",
+    "inspect_root",
     "list_checkpoints",
     "load_checkpoint",
     "load_latest",
@@ -913,7 +916,7 @@ def load_latest(root: str | os.PathLike[str]) -> LoadedCheckpoint | None:
         f"none of the {len(candidates)} checkpoint(s) under {root} verifies; refusing to start from scratch. To "
         "start over, run again with `--resume none` (they are renamed abandoned-step-*, never deleted); to continue "
         "from another copy, `--resume PATH`; on a cluster, move the directory aside or create the job under a new "
-        "name",
+        f"name (`daedalus checkpoints {root}` lists each one and why it fails)",
         rejected,
     )
 
@@ -947,6 +950,146 @@ def resolve_resume(resume: str, root: str | os.PathLike[str]) -> LoadedCheckpoin
     if loaded is None:
         raise CheckpointError(f"resume path {path} holds no checkpoint (no step-NNNNNN directory)")
     return loaded
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Inspecting a root (``daedalus checkpoints``)
+# --------------------------------------------------------------------------------------------------------------------
+
+_ABANDONED_DIR = re.compile(r"^abandoned-step-(\d{6,})-")
+
+
+@dataclasses.dataclass(frozen=True)
+class RootEntry:
+    """One directory under a checkpoint root, as :func:`inspect_root` found it.
+
+    ``kind`` is ``"checkpoint"`` (``step-NNNNNN``: what ``resume: latest`` chooses from), ``"abandoned"``
+    (``abandoned-step-NNNNNN-<utc>-<id>``: a timeline a run did not continue, kept until deleted by hand or
+    :func:`delete_abandoned`) or ``"leftover"`` (``.tmp-*`` / ``.trash-*``: an interrupted save or deletion, removed
+    by the next save). ``step`` comes from the name (``None`` for leftovers); ``bytes`` is the sum of the file sizes
+    under the directory (``st_size``, bytes); ``time`` is the manifest's commit time (seconds since the epoch), or
+    ``None`` without a readable manifest. ``problems`` is what :func:`verify_checkpoint` found (empty: it verifies;
+    ``None``: not verified: leftovers, or ``verify=False``); ``error`` an I/O error that stopped the reading (it says
+    nothing of the content). ``latest``: the ``latest`` pointer names it; ``chosen``: ``resume: latest`` would resume
+    from it (the newest ``step-*`` that verifies; only set when verifying).
+    """
+
+    name: str
+    path: Path
+    kind: str
+    step: int | None
+    bytes: int
+    time: float | None
+    problems: tuple[ManifestProblem, ...] | None
+    error: str | None = None
+    latest: bool = False
+    chosen: bool = False
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            if p.is_file() and not p.is_symlink():
+                total += p.stat().st_size
+        except OSError:  # vanished meanwhile (a concurrent save's clean-up) or unreadable: not counted
+            pass
+    return total
+
+
+def _manifest_time(path: Path) -> float | None:
+    try:
+        doc = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        return float(doc["time"]) if isinstance(doc, dict) and "time" in doc else None
+    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+        return None
+
+
+def inspect_root(root: str | os.PathLike[str], *, verify: bool = True) -> list[RootEntry]:
+    """Every checkpoint, abandoned checkpoint and leftover directory under ``root``, sorted by kind (checkpoints,
+    abandoned, leftovers), then step, then name. Reads; changes nothing (the ``latest`` pointer, a leftover of an
+    interrupted save: all left as they are), so it is safe beside a running trainer.
+
+    Args:
+        root: a checkpoint root (``runs/<name>/checkpoints``; on a cluster ``<checkpoint.path>/<namespace>/<name>/
+            checkpoints``).
+        verify: check every ``step-*`` and ``abandoned-*`` directory against its manifest (reads every byte once,
+            sha256; what a resume does for the newest) and mark the one ``resume: latest`` would choose.
+
+    Returns:
+        The entries; ``[]`` for an empty root.
+
+    Raises:
+        CheckpointError: ``root`` does not exist or is not a directory.
+    """
+    root = Path(root).absolute()
+    if not root.is_dir():
+        raise CheckpointError(f"{root} does not exist or is not a directory")
+    pointer = read_latest_pointer(root)
+    entries: list[RootEntry] = []
+    for entry in root.iterdir():
+        if not entry.is_dir() or entry.is_symlink():
+            continue
+        name = entry.name
+        step = _step_of(name)
+        abandoned = _ABANDONED_DIR.match(name)
+        if step is not None:
+            kind = "checkpoint"
+        elif abandoned:
+            kind, step = "abandoned", int(abandoned.group(1))
+        elif name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
+            kind = "leftover"
+        else:
+            continue
+        problems: tuple[ManifestProblem, ...] | None = None
+        error = None
+        if verify and kind != "leftover":
+            try:
+                problems = tuple(verify_checkpoint(entry))
+            except OSError as e:  # READ_ERRNOS: the file system's or the permissions' fault
+                error = f"{type(e).__name__}: {e}"
+        entries.append(RootEntry(name=name, path=entry, kind=kind, step=step, bytes=_tree_bytes(entry),
+                                 time=_manifest_time(entry) if kind != "leftover" else None, problems=problems,
+                                 error=error, latest=name == pointer))
+    order = {"checkpoint": 0, "abandoned": 1, "leftover": 2}
+    entries.sort(key=lambda e: (order[e.kind], -1 if e.step is None else e.step, e.name))
+    if verify:
+        # load_latest's choice: the newest step-* that verifies, unless an I/O error stops it first.
+        for i in range(len(entries) - 1, -1, -1):
+            e = entries[i]
+            if e.kind != "checkpoint":
+                continue
+            if e.error is not None:
+                break
+            if e.problems == ():
+                entries[i] = dataclasses.replace(e, chosen=True)
+                break
+    return entries
+
+
+def delete_abandoned(root: str | os.PathLike[str]) -> list[RootEntry]:
+    """Delete every ``abandoned-step-*`` directory under ``root`` (the timelines runs did not continue, which
+    :class:`CheckpointManager` never deletes itself). Each is renamed to ``.trash-*`` first, so no half-deleted
+    directory keeps its name (a later save's clean-up finishes one an interruption left). ``step-*`` checkpoints, the
+    ``latest`` pointer and leftovers are not touched: safe beside a running trainer, which only ever renames
+    directories *to* ``abandoned-*``.
+
+    Returns:
+        The entries deleted (not verified: ``problems`` is ``None``), with their sizes in bytes.
+
+    Raises:
+        CheckpointError: ``root`` does not exist or is not a directory.
+        OSError: a rename failed (permissions, a read-only file system); the ones before it are deleted.
+    """
+    deleted = []
+    for entry in inspect_root(root, verify=False):
+        if entry.kind == "abandoned":
+            _remove_tree(entry.path)
+            log.info("deleted %s (%d bytes)", entry.path, entry.bytes)
+            deleted.append(entry)
+    if deleted:
+        _fsync_path(Path(root).absolute(), directory=True)
+    return deleted
 
 
 # --------------------------------------------------------------------------------------------------------------------

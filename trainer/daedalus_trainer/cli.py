@@ -18,6 +18,7 @@ Daedalus: RL post-training (GRPO + LoRA) of vision-language agents on visual maz
 
   daedalus run examples/local-tiny.yaml     run a job locally on CPU (SFT -> GRPO -> evaluation), resumable
   daedalus validate job.yaml                check a job against the API, every error with its field path
+  daedalus checkpoints runs/local-tiny      list a run's checkpoints: which verify, where a resume starts
   daedalus maze --size 9 --seed 3 --out m.png   render a maze and print its solution
   daedalus operator                          run the Kubernetes operator (kopf)
 """
@@ -203,6 +204,124 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: int) -> str:
+    """``n`` bytes for a table cell: B, kB, MB, GB (powers of 1000, as ``du --si``)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+def _checkpoint_root(given: str) -> Path:
+    """The checkpoint root ``daedalus checkpoints`` reads: ``given``, or its ``checkpoints/`` when ``given`` is a run
+    or job directory (``runs/<name>``, ``<checkpoint.path>/<namespace>/<name>``) holding one."""
+    from daedalus_trainer.usage import UsageError
+
+    path = Path(given)
+    if not path.exists():
+        raise UsageError(f"{given}: no such directory (give a checkpoint root, e.g. runs/<name>/checkpoints, or "
+                         "the run directory holding it)")
+    if not path.is_dir():
+        raise UsageError(f"{given} is a file; give a checkpoint root (runs/<name>/checkpoints) or the run directory "
+                         "holding it")
+    if (path / "checkpoints").is_dir() and not any(e.name.startswith(("step-", "abandoned-step-"))
+                                                   for e in path.iterdir()):
+        return path / "checkpoints"
+    return path
+
+
+def _cmd_checkpoints(args: argparse.Namespace) -> int:
+    import datetime as dt
+    import json
+
+    from rich import box
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from daedalus_trainer.checkpoint import delete_abandoned, inspect_root
+
+    root = _checkpoint_root(args.root)
+    entries = inspect_root(root, verify=not args.no_verify)
+    deleted = delete_abandoned(root) if args.delete_abandoned else []
+    gone = {e.name for e in deleted}
+    kept = [e for e in entries if e.name not in gone]
+    checkpoints = [e for e in kept if e.kind == "checkpoint"]
+    chosen = next((e for e in checkpoints if e.chosen), None)
+    unreadable = any(e.error for e in checkpoints)
+    refuses = bool(checkpoints) and not args.no_verify and chosen is None
+    if args.json:
+        doc = {
+            "root": str(root.absolute()),
+            "resumeFrom": None if chosen is None else chosen.name,
+            "entries": [
+                {"name": e.name, "kind": e.kind, "step": e.step, "bytes": e.bytes, "time": e.time,
+                 "latest": e.latest, "chosen": e.chosen, "error": e.error,
+                 "problems": None if e.problems is None else [str(p) for p in e.problems]}
+                for e in kept
+            ],
+            "deleted": [{"name": e.name, "bytes": e.bytes} for e in deleted],
+        }
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return 1 if refuses else 0
+
+    console = Console(highlight=False)
+
+    def say(line: str) -> None:  # a line as it is (the terminal wraps it), not cut at rich's idea of the width
+        console.print(line, soft_wrap=True)
+
+    if kept:
+        table = Table(title=f"checkpoints under {escape(str(root))}", title_justify="left", box=box.SIMPLE_HEAD)
+        table.add_column("name", overflow="fold")
+        table.add_column("size", justify="right", no_wrap=True)
+        table.add_column("saved (UTC)", no_wrap=True)
+        table.add_column("state", overflow="fold", min_width=24)
+        for e in kept:
+            if e.kind == "leftover":
+                state = "[dim]leftover (the next save removes it)[/]"
+            elif e.error:
+                state = f"[red]unreadable[/]: {escape(e.error)}"
+            elif e.problems is None:
+                state = "not verified"
+            elif e.problems:
+                state = "[red]corrupt[/]: " + escape("; ".join(f"{p.file}: {p.reason}" for p in e.problems))
+            else:
+                state = "ok"
+            marks = [m for m, on in (("latest", e.latest), ("resume", e.chosen)) if on]
+            if marks:
+                state += f" [bold]<- {', '.join(marks)}[/]"
+            saved = "-" if e.time is None else dt.datetime.fromtimestamp(e.time, dt.timezone.utc).strftime(
+                "%Y-%m-%d %H:%M")
+            table.add_row(escape(e.name), _size(e.bytes), saved, state)
+        console.print(table)
+        say("[dim]latest: the pointer names it; resume: `--resume latest` starts from it (the newest that "
+                      "verifies); abandoned-step-*: a timeline a run did not continue (`--resume none` or an older "
+                      "PATH), never resumed from by `latest`[/]")
+    by_kind = {k: [e for e in kept if e.kind == k] for k in ("checkpoint", "abandoned", "leftover")}
+    nouns = {"checkpoint": "checkpoint", "abandoned": "abandoned timeline", "leftover": "leftover"}
+    parts = [f"{len(v)} {nouns[k]}{'s' if len(v) != 1 else ''} ({_size(sum(e.bytes for e in v))})"
+             for k, v in by_kind.items() if v or k == "checkpoint"]
+    say(f"{escape(str(root))}: " + ", ".join(parts))
+    if args.no_verify:
+        say("resume: not verified (--no-verify); a resume verifies the newest first")
+    elif chosen is not None:
+        say(f"resume: latest starts from {chosen.name} (step {chosen.step})")
+    elif unreadable:
+        say("resume: latest would fail until the file system answers (an I/O error, not corruption)")
+    elif checkpoints:
+        say("[red]resume: latest refuses to start: no checkpoint verifies[/] (`--resume none` starts over "
+                      "and keeps them as abandoned-*; `--resume PATH` continues from a copy)")
+    else:
+        say("resume: latest starts fresh (no step-* checkpoint)")
+    if deleted:
+        say(f"deleted {len(deleted)} abandoned director{'y' if len(deleted) == 1 else 'ies'}, "
+                      f"{_size(sum(e.bytes for e in deleted))} freed")
+    elif by_kind["abandoned"] and not args.delete_abandoned:
+        say("abandoned timelines are never deleted by a run; --delete-abandoned deletes them")
+    return 1 if refuses or unreadable else 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from daedalus_trainer import grpo
 
@@ -385,6 +504,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("files", nargs="+", help="YAML or JSON files (each may hold several documents); - reads standard "
                    "input (kubectl get rltj -A -o yaml | daedalus validate -)")
     s.set_defaults(func=_cmd_validate)
+
+    s = sub.add_parser("checkpoints", help="list a run's checkpoints: step, size, whether each verifies, where a "
+                       "resume starts; delete abandoned ones",
+                       description="List the checkpoints under a checkpoint root (runs/<name>/checkpoints locally; "
+                       "<checkpoint.path>/<namespace>/<name>/checkpoints on a cluster volume): step, size, save time, "
+                       "whether each verifies against its manifest (sha256 of every file, what a resume does) and "
+                       "which one `--resume latest` starts from. Lists abandoned-step-* directories too (timelines a "
+                       "run with `--resume none` or an older PATH did not continue; runs never delete them) and "
+                       "leftovers of an interrupted save. Reads only, unless --delete-abandoned; safe beside a "
+                       "running trainer. Exit status 1 when checkpoints exist and none verifies (a resume would "
+                       "refuse) or one could not be read.")
+    s.add_argument("root", help="checkpoint root, or the run directory holding checkpoints/ (e.g. runs/local-tiny)")
+    s.add_argument("--no-verify", action="store_true",
+                   help="skip the sha256 verification (reads every byte of every checkpoint)")
+    s.add_argument("--delete-abandoned", action="store_true",
+                   help="delete the abandoned-step-* directories (never a step-* checkpoint or the latest pointer)")
+    s.add_argument("--json", action="store_true", help="print the listing as JSON instead of a table")
+    s.set_defaults(func=_cmd_checkpoints)
 
     s = sub.add_parser("crd", help="print the RLTrainingJob CustomResourceDefinition generated from the API models",
                        description="The RLTrainingJob CRD (OpenAPI schema, defaults, CEL rules, printer columns) "

@@ -1,0 +1,136 @@
+"""`daedalus checkpoints`: the listing of a checkpoint root (what each directory is, whether it verifies, where a
+resume starts) and the deletion of abandoned timelines, on real checkpoints written by CheckpointManager."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from daedalus_trainer.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    delete_abandoned,
+    inspect_root,
+    load_latest,
+    resolve_resume,
+)
+from daedalus_trainer.cli import main
+from test_checkpoint import make_state, save_steps
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture()
+def root_with_a_past(tmp_path: Path) -> Path:
+    """steps 1-3 saved, resumed from step 1 and saved step 2 again: step-000001, step-000002 and two abandoned
+    directories (the old 2 and 3), then a leftover of a killed save."""
+    root = tmp_path / "run" / "checkpoints"
+    manager = CheckpointManager(root, keep=5)
+    save_steps(manager, [1, 2, 3])
+    resolve_resume(str(root / "step-000001"), root)
+    manager.save(2, *make_state(2))
+    (root / ".tmp-step-000003-deadbeef").mkdir()
+    (root / ".tmp-step-000003-deadbeef" / "optimizer.pt").write_bytes(b"x" * 10)
+    return root
+
+
+def test_inspect_root_names_every_directory_and_where_a_resume_starts(root_with_a_past: Path) -> None:
+    entries = inspect_root(root_with_a_past)
+    assert [(e.kind, e.step) for e in entries] == [
+        ("checkpoint", 1), ("checkpoint", 2), ("abandoned", 2), ("abandoned", 3), ("leftover", None)]
+    assert [e.name for e in entries if e.latest] == ["step-000002"]
+    assert [e.name for e in entries if e.chosen] == ["step-000002"]
+    assert all(e.problems == () for e in entries[:4])
+    assert entries[4].problems is None and entries[4].bytes == 10
+    on_disk = sum(p.stat().st_size for p in (root_with_a_past / "step-000001").rglob("*") if p.is_file())
+    assert entries[0].bytes == on_disk > 0
+    assert entries[0].time is not None and entries[4].time is None
+    # nothing was changed by reading: the leftover and the pointer stay
+    assert (root_with_a_past / ".tmp-step-000003-deadbeef").is_dir()
+    assert (root_with_a_past / "latest").read_text().strip() == "step-000002"
+
+
+def test_a_corrupt_newest_is_reported_and_the_resume_point_is_the_one_load_latest_takes(
+        root_with_a_past: Path) -> None:
+    flip_a_byte(root_with_a_past / "step-000002" / "optimizer.pt")
+    entries = {e.name: e for e in inspect_root(root_with_a_past)}
+    assert [(p.file, p.reason) for p in entries["step-000002"].problems] == [("optimizer.pt", "sha256 mismatch")]
+    assert entries["step-000002"].latest and not entries["step-000002"].chosen
+    assert entries["step-000001"].chosen
+    assert load_latest(root_with_a_past).step == 1  # the same choice
+
+
+def test_without_verification_nothing_is_chosen(root_with_a_past: Path) -> None:
+    entries = inspect_root(root_with_a_past, verify=False)
+    assert all(e.problems is None and not e.chosen for e in entries)
+
+
+def test_delete_abandoned_removes_only_abandoned_timelines(root_with_a_past: Path) -> None:
+    before = {e.name: e.bytes for e in inspect_root(root_with_a_past, verify=False)}
+    deleted = delete_abandoned(root_with_a_past)
+    assert sorted(e.step for e in deleted) == [2, 3]
+    assert sum(e.bytes for e in deleted) == sum(b for n, b in before.items() if n.startswith("abandoned-"))
+    names = sorted(p.name for p in root_with_a_past.iterdir())
+    assert names == [".tmp-step-000003-deadbeef", "latest", "step-000001", "step-000002"]
+    assert load_latest(root_with_a_past).step == 2
+
+
+def test_a_missing_root_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        inspect_root(tmp_path / "nowhere")
+
+
+@pytest.fixture()
+def wide(monkeypatch) -> None:
+    """A 200-column console, so that no table cell wraps inside the phrases asserted."""
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+def test_cli_table_and_exit_status(root_with_a_past: Path, capsys, wide) -> None:
+    assert main(["checkpoints", str(root_with_a_past.parent)]) == 0  # the run directory holding checkpoints/
+    out = capsys.readouterr().out
+    assert "2 checkpoints (" in out and "2 abandoned timelines (" in out
+    assert "1 leftover (10 B)" in out
+    assert "resume: latest starts from step-000002 (step 2)" in out
+    assert "--delete-abandoned deletes them" in out
+    assert out.count("<- latest, resume") == 1 and "ok <- latest, resume" in out
+
+
+def test_cli_json_and_delete(root_with_a_past: Path, capsys) -> None:
+    assert main(["checkpoints", str(root_with_a_past), "--json", "--delete-abandoned"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["resumeFrom"] == "step-000002"
+    assert [e["name"] for e in doc["entries"]] == ["step-000001", "step-000002", ".tmp-step-000003-deadbeef"]
+    assert [e["problems"] for e in doc["entries"]] == [[], [], None]
+    assert len(doc["deleted"]) == 2 and all(d["bytes"] > 0 for d in doc["deleted"])
+    assert not any(p.name.startswith("abandoned-") for p in root_with_a_past.iterdir())
+
+
+def test_cli_exit_1_when_no_checkpoint_verifies(root_with_a_past: Path, capsys, wide) -> None:
+    for step in (1, 2):
+        flip_a_byte(root_with_a_past / f"step-00000{step}" / "adapter" / "adapter_model.safetensors")
+    assert main(["checkpoints", str(root_with_a_past)]) == 1
+    out = capsys.readouterr().out
+    assert "resume: latest refuses to start: no checkpoint verifies" in out
+    assert out.count("corrupt: adapter/adapter_model.safetensors: sha256 mismatch") == 2
+    assert "<- resume" not in out
+    with pytest.raises(CheckpointError, match=f"`daedalus checkpoints {root_with_a_past}` lists each one"):
+        load_latest(root_with_a_past)  # a resume's refusal points at the listing
+
+
+def test_cli_bad_paths_are_one_line_errors(tmp_path: Path, capsys) -> None:
+    assert main(["checkpoints", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'nowhere'}: no such directory")
+    (tmp_path / "f").write_text("x")
+    assert main(["checkpoints", str(tmp_path / "f")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["checkpoints", str(empty)]) == 0
+    assert "0 checkpoints (0 B)" in capsys.readouterr().out
