@@ -99,6 +99,8 @@ def test_cli_table_and_exit_status(root_with_a_past: Path, capsys, wide) -> None
     assert "1 leftover (10 B)" in out
     assert "resume: latest starts from step-000002 (step 2)" in out
     assert "--delete-abandoned deletes them" in out
+    assert main(["checkpoints", str(root_with_a_past / "step-000001")]) == 0  # one checkpoint: its root is listed
+    assert capsys.readouterr().out == out
     assert out.count("<- latest, resume") == 1 and "ok <- latest, resume" in out
 
 

@@ -214,8 +214,9 @@ def _size(n: int) -> str:
 
 
 def _checkpoint_root(given: str) -> Path:
-    """The checkpoint root ``daedalus checkpoints`` reads: ``given``, or its ``checkpoints/`` when ``given`` is a run
-    or job directory (``runs/<name>``, ``<checkpoint.path>/<namespace>/<name>``) holding one."""
+    """The checkpoint root ``daedalus checkpoints`` reads: ``given``; its ``checkpoints/`` when ``given`` is a run or
+    job directory (``runs/<name>``, ``<checkpoint.path>/<namespace>/<name>``) holding one; its parent when ``given``
+    is one checkpoint (holds MANIFEST.json: the job's ``status.latestCheckpoint.path``)."""
     from daedalus_trainer.usage import UsageError
 
     path = Path(given)
@@ -225,6 +226,8 @@ def _checkpoint_root(given: str) -> Path:
     if not path.is_dir():
         raise UsageError(f"{given} is a file; give a checkpoint root (runs/<name>/checkpoints) or the run directory "
                          "holding it")
+    if (path / "MANIFEST.json").is_file():  # one checkpoint (status.latestCheckpoint.path): the root holding it
+        return path.parent
     if (path / "checkpoints").is_dir() and not any(e.name.startswith(("step-", "abandoned-step-"))
                                                    for e in path.iterdir()):
         return path / "checkpoints"
@@ -515,7 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "leftovers of an interrupted save. Reads only, unless --delete-abandoned; safe beside a "
                        "running trainer. Exit status 1 when checkpoints exist and none verifies (a resume would "
                        "refuse) or one could not be read.")
-    s.add_argument("root", help="checkpoint root, or the run directory holding checkpoints/ (e.g. runs/local-tiny)")
+    s.add_argument("root", help="checkpoint root, the run directory holding checkpoints/ (e.g. runs/local-tiny), or "
+                   "one checkpoint in it (a job's status.latestCheckpoint.path)")
     s.add_argument("--no-verify", action="store_true",
                    help="skip the sha256 verification (reads every byte of every checkpoint)")
     s.add_argument("--delete-abandoned", action="store_true",
