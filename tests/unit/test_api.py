@@ -216,6 +216,11 @@ METADATA_INVALID = [
     # the namespace is a directory of local runs' checkpoints: no way out of checkpoint.path
     ({"name": "local-tiny", "namespace": "../../escape"}, "metadata.namespace", "got '../../escape'"),
     ({"name": "local-tiny", "namespace": "n" * 64}, "metadata.namespace", f"at most 63 characters (got '{'n' * 64}'"),
+    # KubeRay requires the job's RayCluster name, "<name>-ray", to be a DNS-1035 label
+    ({"name": "2024-maze"}, "metadata.name",
+     "must be a lowercase DNS label that starts with a letter: a-z, 0-9 and '-', starting with a letter and ending "
+     "with a letter or digit (RFC 1035: it begins the name of the job's RayCluster, which KubeRay requires to be "
+     "one); got '2024-maze'"),
     ({"name": "a" * 64}, "metadata.name",
      f"String should have at most 63 characters (got '{'a' * 64}', 64 characters)"),
     ({"name": "x", "labels": {"a": 1}}, "metadata.labels",
@@ -246,6 +251,21 @@ def test_metadata_is_checked_as_the_api_server_checks_it(metadata, path, message
         c.parse_job(_set(_local(), "metadata", metadata))
     assert [p for p, _ in info.value.errors] == [path], info.value.errors
     assert message in info.value.errors[0][1], info.value.errors
+
+
+@pytest.mark.parametrize("name,ok", [("2024-maze", False), ("maze-2024", True), ("a", True), ("9", False)])
+def test_the_crd_refuses_a_job_name_that_starts_with_a_digit(schema, name, ok):
+    """The root CEL rule (the API server's twin of the pydantic pattern) on metadata.name."""
+    rule = schema["x-kubernetes-validations"]
+    assert [r["rule"] for r in rule] == [c.JOB_NAME_CEL]
+    env = celpy.Environment()
+    obj = _set(_local(), "metadata.name", name)
+    assert bool(env.program(env.compile(c.JOB_NAME_CEL)).evaluate({"self": celpy.json_to_cel(obj)})) is ok
+    if ok:
+        assert c.parse_job(obj).metadata.name == name
+    else:
+        with pytest.raises(c.SpecError, match="starts with a letter"):
+            c.parse_job(obj)
 
 
 def test_valid_metadata_passes_and_each_label_problem_is_an_error():

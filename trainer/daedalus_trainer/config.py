@@ -338,8 +338,16 @@ QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numk
 #: CRD keeps working without the CEL quantity library.
 POSITIVE_QUANTITY_PATTERN = (r"^\+?(([0-9]*[1-9][0-9]*(\.[0-9]*)?)|([0-9]*\.[0-9]*[1-9][0-9]*))(([KMGTPE]i)|"
                              r"[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
-#: A Kubernetes object name that must be a DNS label (RFC 1123), as `metadata.name` of a job and a worker group name.
+#: A Kubernetes object name that must be a DNS label (RFC 1123), as a worker group name or a namespace.
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+#: A job's `metadata.name`: a DNS label that starts with a letter (RFC 1035), because it begins the names of the job's
+#: RayCluster and RayService, which KubeRay requires to be DNS-1035 labels (ray-operator utils/validation.go,
+#: ValidateRayClusterMetadata / ValidateRayServiceMetadata: a name such as "2024-maze-ray" is never reconciled).
+JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+#: The same rule for the API server, at the CRD's root (where `self.metadata.name` is visible to CEL).
+JOB_NAME_CEL = "self.metadata.name.matches('^[a-z]')"
+JOB_NAME_MESSAGE = ("metadata.name must start with a lowercase letter: it begins the name of the job's RayCluster, "
+                    "which KubeRay requires to be a DNS-1035 label")
 
 
 class HeadSpec(_Model):
@@ -717,9 +725,9 @@ class ObjectMeta(_Model):
 
     model_config = ConfigDict(extra="allow")
 
-    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=63)
-    """Job name, required: an RFC 1123 DNS label (at most 63 characters), because it names the job's RayCluster,
-    pods and label values; local runs keep their files under it (`runs/<name>/`), so a default name would make two
+    name: str = Field(pattern=JOB_NAME_PATTERN, max_length=63)
+    """Job name, required: a DNS label that starts with a letter (RFC 1035, at most 63 characters), because it names
+    the job's RayCluster (which KubeRay requires to be a DNS-1035 label), pods and label values; local runs keep their files under it (`runs/<name>/`), so a default name would make two
     unnamed jobs share (and resume) each other's files."""
     namespace: str = Field("default", pattern=DNS_LABEL_PATTERN, max_length=63)
     """Namespace: an RFC 1123 DNS label (at most 63 characters), as Kubernetes requires of namespace names. Local
@@ -1096,6 +1104,10 @@ def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
         elif err["type"] in ("float_type", "bool_type", "int_type", "int_from_float", "literal_error", "enum",
                              "string_type", "greater_than_equal", "less_than_equal", "greater_than", "less_than"):
             msg += f" (got {_shown(err.get('input'))})"
+        elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == JOB_NAME_PATTERN:
+            msg = ("must be a lowercase DNS label that starts with a letter: a-z, 0-9 and '-', starting with a letter "
+                   "and ending with a letter or digit (RFC 1035: it begins the name of the job's RayCluster, which "
+                   f"KubeRay requires to be one); got {err.get('input')!r}")
         elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") == DNS_LABEL_PATTERN:
             msg = ("must be a lowercase DNS label: a-z, 0-9 and '-', starting and ending with a letter or digit "
                    f"(RFC 1123); got {err.get('input')!r}")

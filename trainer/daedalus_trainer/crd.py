@@ -125,6 +125,8 @@ def openapi_schema() -> dict[str, Any]:
     return {
         "type": "object",
         "description": c.RLTrainingJob.__doc__.strip().splitlines()[0],
+        # metadata.name is visible to CEL at the root only (apiextensions: metadata.name and generateName)
+        "x-kubernetes-validations": [{"rule": c.JOB_NAME_CEL, "message": c.JOB_NAME_MESSAGE}],
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
