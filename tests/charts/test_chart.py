@@ -10,6 +10,7 @@ objects (ServiceMonitor, PodMonitor, PrometheusRule) are validated with the type
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -417,6 +418,38 @@ def test_rbac_peering(rendered: dict[str, list[dict[str, Any]]]) -> None:
         assert rule_table(role) == {**NAMESPACED_RULES, ("kopf.dev", "kopfpeerings"): PEERING_VERBS}
     assert sorted(p["metadata"]["namespace"] for p in by_kind(namespaced, "KopfPeering")) == NAMESPACES
     assert not by_kind(rendered["defaults"], "ClusterKopfPeering")
+
+
+def test_two_releases_of_one_name_in_two_namespaces_claim_no_common_object(chart: Helm) -> None:
+    """One namespaced operator per team, each `helm install daedalus -n <team>`: every cluster-scoped object the two
+    releases create has a name of its own (helm refuses to adopt an object another release owns)."""
+    names = {}
+    for team in ("team-a", "team-b"):
+        docs = chart.template({"operator": {"watchNamespaces": [team]}}, namespace=team)
+        names[team] = {(d["kind"], d["metadata"]["name"]) for d in docs
+                       if d["kind"] in ("ClusterRole", "ClusterRoleBinding")}
+        role = one(docs, "ClusterRole")["metadata"]["name"]
+        assert role == f"rel-daedalus-{team}"
+        assert one(docs, "ClusterRoleBinding")["roleRef"]["name"] == role
+    assert len(names["team-a"]) == 2 and not names["team-a"] & names["team-b"]
+
+
+def test_a_63_character_fullname_gives_valid_distinct_names(chart: Helm) -> None:
+    """`fullnameOverride` may have 63 characters (the values schema's limit): the objects named after it with a
+    suffix (the metrics Service, the trainers' PodMonitor, one ConfigMap per dashboard) are cut to fit a DNS label
+    without losing the suffix, so they stay distinct."""
+    full = "daedalus-operator-ml-platform-production-us-west-2-cluster-aaaa"
+    assert len(full) == 63
+    docs = chart.template({"fullnameOverride": full, "metrics": {"podMonitor": {"enabled": True}}})
+    named = [(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] != "CustomResourceDefinition"]
+    assert all(len(n) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", n) for k, n in named
+               if k not in ("ClusterRole", "ClusterRoleBinding")), named
+    assert len(set(named)) == len(named)
+    service = one(docs, "Service")["metadata"]["name"]
+    assert service.endswith("-metrics") and service.startswith(full[:40])
+    dashboards = [n for k, n in named if k == "ConfigMap" and "-dashboard-" in n]
+    assert len(dashboards) >= 2 and len(set(dashboards)) == len(dashboards)
+    assert one(docs, "PodMonitor")["metadata"]["name"].endswith("-trainers")
 
 
 def test_rbac_can_be_left_to_the_platform(chart: Helm) -> None:

@@ -126,7 +126,8 @@ def test_helm_install_stores_every_rendered_object(helm_binary, control_plane, r
             assert stored["rules"] == doc["rules"]  # nothing of the rules dropped by the server
     account = admin.get("v1/serviceaccounts", RELEASE_NAMESPACE, release.service_account)
     assert account["automountServiceAccountToken"] is False
-    binding = admin.get("rbac.authorization.k8s.io/v1/clusterrolebindings", None, "daedalus")
+    # cluster-scoped names carry the release's namespace: one release name may be installed in several namespaces
+    binding = admin.get("rbac.authorization.k8s.io/v1/clusterrolebindings", None, f"daedalus-{RELEASE_NAMESPACE}")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": release.service_account,
                                     "namespace": RELEASE_NAMESPACE}]
     # the operator's arguments as stored: cluster-wide, its own namespace and pod labels for the NetworkPolicy
@@ -153,8 +154,8 @@ def test_a_verb_removed_from_the_cluster_role_is_reported_as_a_403_condition(
     rel = helm_install(helm_binary, control_plane, broken, release=name, namespace=name)
     jobs = Jobs(admin, namespace)
     try:
-        good = admin.get("rbac.authorization.k8s.io/v1/clusterroles", None, "daedalus")
-        bad = admin.get("rbac.authorization.k8s.io/v1/clusterroles", None, name)
+        good = admin.get("rbac.authorization.k8s.io/v1/clusterroles", None, f"daedalus-{RELEASE_NAMESPACE}")
+        bad = admin.get("rbac.authorization.k8s.io/v1/clusterroles", None, f"{name}-{name}")
         assert rule_verbs(good, "ray.io", "rayclusters") - rule_verbs(bad, "ray.io", "rayclusters") == {"create"}
         operator = ChartOperator(rel, tmp_path).start()
         try:
@@ -185,7 +186,7 @@ def test_a_verb_removed_from_the_cluster_role_is_reported_as_a_403_condition(
         helm(helm_binary, control_plane, "uninstall", name, "--namespace", name)
         with control_plane.api_client() as api_client:
             client.CoreV1Api(api_client).delete_namespace(name)
-    assert admin.get("rbac.authorization.k8s.io/v1/clusterroles", None, name) is None  # restored
+    assert admin.get("rbac.authorization.k8s.io/v1/clusterroles", None, f"{name}-{name}") is None  # uninstalled
 
 
 def test_a_namespaced_operator_with_no_jobs_stays_live(helm_binary, control_plane, namespace, tmp_path):

@@ -18,6 +18,26 @@ Names. Kubernetes names are limited to 63 characters (DNS-1123 label).
 {{- end }}
 {{- end }}
 
+{{/*
+The fullname and a suffix, "<fullname>-<suffix>", the fullname cut so that the whole fits a 63-character DNS label
+(a Service, a ConfigMap): include "daedalus.suffixed" (list . "metrics"). Cutting the whole instead could cut the
+suffix off and give two objects (the dashboards' ConfigMaps) one name.
+*/}}
+{{- define "daedalus.suffixed" -}}
+{{- $suffix := index . 1 }}
+{{- $prefix := include "daedalus.fullname" (index . 0) | trunc (int (sub 62 (len $suffix))) | trimSuffix "-" }}
+{{- printf "%s-%s" $prefix $suffix }}
+{{- end }}
+
+{{/*
+Name of the cluster-scoped objects (ClusterRole, ClusterRoleBinding): the fullname and the release's namespace, so
+that two releases of the same name in two namespaces (one namespaced operator per team) do not claim one object.
+RBAC names are path segments, not DNS labels: no 63-character limit.
+*/}}
+{{- define "daedalus.clusterName" -}}
+{{- printf "%s-%s" (include "daedalus.fullname" .) .Release.Namespace }}
+{{- end }}
+
 {{- define "daedalus.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
