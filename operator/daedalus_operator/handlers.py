@@ -818,7 +818,7 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
                     logger.warning(f"{error}; will retry")
                     break
             if last.restart_reason:
-                rt.metrics.restarts.labels(namespace=namespace, job=name, reason=last.restart_reason).inc()
+                rt.metrics.count_restart(namespace, name, last.restart_reason)
             if last.recovered is not None:
                 rt.metrics.recovery_seconds.observe(last.recovered.seconds)
             if error:

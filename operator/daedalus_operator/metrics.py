@@ -89,6 +89,7 @@ class OperatorMetrics:
         for reason in WAKE_REASONS:
             self.poll_wakes.labels(reason=reason)
         self._phases: dict[tuple[str, str], str] = {}
+        self._restart_reasons: dict[tuple[str, str], set[str]] = {}
         self._lock = threading.Lock()
         self._refresh_jobs()
         self._server: Any = None
@@ -109,10 +110,23 @@ class OperatorMetrics:
             self.job_restarts.labels(namespace=namespace, job=job).set(restarts)
             self._refresh_jobs()
 
+    def count_restart(self, namespace: str, job: str, reason: str) -> None:
+        """Count one resubmission of ``job`` after a failure of ``reason`` (``daedalus_operator_restarts_total``)."""
+        with self._lock:
+            self._restart_reasons.setdefault((namespace, job), set()).add(reason)
+            self.restarts.labels(namespace=namespace, job=job, reason=reason).inc()
+
     def forget_job(self, namespace: str, job: str) -> None:
-        """Drop a deleted job's series."""
+        """Drop a deleted job's series, its restart counters included: what Prometheus scraped stays in its storage
+        (a range query over the job's life still sees the restarts), and an operator that runs for months does not
+        export a series for every job it ever saw."""
         with self._lock:
             self._phases.pop((namespace, job), None)
+            for reason in self._restart_reasons.pop((namespace, job), ()):
+                try:
+                    self.restarts.remove(namespace, job, reason)
+                except KeyError:
+                    pass
             for p in Phase:
                 try:
                     self.job_phase.remove(namespace, job, p.value)

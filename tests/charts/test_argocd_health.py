@@ -64,6 +64,9 @@ CASES: dict[str, tuple[dict[str, Any], str, str]] = {
             cond("Reconciling", "True", "NodeReplacement", "Checkpointed at step 120; resubmitting")]}),
         "Progressing", "NodeReplacement: Checkpointed at step 120; resubmitting"),
     "running": (job(RUNNING), "Healthy", "Running: Training on 4 workers (step 120/400)"),
+    "running, the operator's message with the step": (  # not "... step 120/400 (step 120/400)"
+        job(RUNNING | {"conditions": [cond("Ready", "True", "Running", "attempt 1 running, step 120/400")]}),
+        "Healthy", "Running: attempt 1 running, step 120/400"),
     "succeeded": (
         job({"phase": "Succeeded", "observedGeneration": 3, "conditions": [
             cond("Ready", "False", "Succeeded", "Finished"),

@@ -115,7 +115,8 @@ end
 if is_true("Ready") then
   hs.status = "Healthy"
   local message = condition_message(conditions["Ready"], "Running")
-  if status.currentStep ~= nil and status.totalSteps ~= nil then
+  -- the operator's own Ready message says "step N/M" already; a message without one gets the status' figures
+  if status.currentStep ~= nil and status.totalSteps ~= nil and not string.find(message, "step %d+/%d+") then
     message = message .. " (step " .. tostring(status.currentStep) .. "/" .. tostring(status.totalSteps) .. ")"
   end
   hs.message = message
