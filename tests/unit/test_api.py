@@ -253,6 +253,16 @@ def test_metadata_is_checked_as_the_api_server_checks_it(metadata, path, message
     assert message in info.value.errors[0][1], info.value.errors
 
 
+@pytest.mark.parametrize("field", ["spec.model.path", "spec.model.sftAdapter", "spec.checkpoint.path"])
+def test_an_empty_path_is_refused_not_taken_for_the_working_directory(schema, field):
+    obj = _set(_local(), field, "")
+    assert _invalid_reasons(schema, crd.apply_defaults(schema, obj)) != []  # the API server's schema: minLength 1
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(obj)
+    assert [p for p, _ in info.value.errors] == [field], info.value.errors
+    assert "at least 1 character" in info.value.errors[0][1]
+
+
 @pytest.mark.parametrize("name,ok", [("2024-maze", False), ("maze-2024", True), ("a", True), ("9", False)])
 def test_the_crd_refuses_a_job_name_that_starts_with_a_digit(schema, name, ok):
     """The root CEL rule (the API server's twin of the pydantic pattern) on metadata.name."""

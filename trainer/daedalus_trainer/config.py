@@ -83,9 +83,9 @@ class ModelSpec(_Model):
 
     name: str = "Qwen/Qwen3-VL-8B-Instruct"
     """Model identifier, for humans and for serving (the served model name). Never downloaded at run time."""
-    path: str | None = None
+    path: str | None = Field(None, min_length=1)
     """Local or shared-volume (FSx) directory holding the Hugging Face checkpoint. Required unless `tiny`."""
-    sft_adapter: str | None = None
+    sft_adapter: str | None = Field(None, min_length=1)
     """Directory of the starting point produced by supervised fine-tuning: a PEFT LoRA adapter or a full model
     directory. When absent and `tiny` is set, `daedalus run` trains one first (`sft` section)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -304,7 +304,7 @@ class CheckpointSpec(_Model):
     `path` shares with the absolute `model.path` and `model.sftAdapter` (`/fsx/models/...` and
     `/fsx/daedalus/checkpoints` mount it at `/fsx`), so one claim can hold base model, SFT adapter and checkpoints;
     at `path` itself when they share nothing but `/`."""
-    path: str = "/checkpoints"
+    path: str = Field("/checkpoints", min_length=1)
     """Directory of checkpoints; the trainer writes under `<path>/<namespace>/<job name>/`."""
     interval_steps: int = Field(10, ge=1, strict=True)
     """Checkpoint every N GRPO steps (and on demand, e.g. before a HyperPod node replacement)."""
