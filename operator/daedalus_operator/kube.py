@@ -77,6 +77,24 @@ def no_answer_reason(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def _api_error(status: int, reason: str, message: str, method: str, path: str) -> KubeError:
+    """The :class:`KubeError` of an answer with an error status. A 404 whose body is not a Kubernetes ``Status``
+    (``404 page not found``: the API server's mux, not a missing object, which gets a ``Status`` with reason
+    ``NotFound``) means the resource type is not served: its CRD is not installed. That is said in words, with the
+    resource and, for ``ray.io``, where KubeRay's CRDs come from."""
+    message = message.strip()
+    if status == 404 and message.startswith("404 page not found"):
+        parts = path.split("?")[0].strip("/").split("/")  # apis/<group>/<version>/... or api/<version>/...
+        group, rest = (parts[1], parts[3:]) if parts[0] == "apis" else ("core", parts[2:])
+        if rest[:1] == ["namespaces"] and len(rest) > 2:
+            rest = rest[2:]
+        resource = rest[0] if rest else "?"
+        hint = (" Install KubeRay (its CRDs and its operator) first: docs/deploy.md section 2" if group == "ray.io"
+                else " Is its CRD installed?")
+        message = f"{method} {path}: the API server does not serve {group} {resource}.{hint}"
+    return KubeError(status, reason, message[:500])
+
+
 def resource_path(key: str, namespace: str | None = None, name: str | None = None, sub: str | None = None) -> str:
     """URL path of a collection, an object or a subresource (``/api/v1/namespaces/ns/pods/p/status``)."""
     parts = key.split("/")
@@ -121,7 +139,7 @@ class KubeAPI:
             resp = self.client.call_api(m, url, hdrs, payload, post, _request_timeout=timeout or self.timeout)
             resp.read()
         except ApiException as exc:
-            raise KubeError(exc.status or 0, exc.reason or "Error", str(exc.body or exc)) from None
+            raise _api_error(exc.status or 0, exc.reason or "Error", str(exc.body or exc), method, path) from None
         except Exception as exc:  # urllib3 connection/timeout errors
             raise KubeError(0, no_answer_reason(exc), str(exc)) from None
         text = resp.data.decode() if resp.data else ""
@@ -132,7 +150,7 @@ class KubeAPI:
         if resp.status >= 400:
             reason = (doc or {}).get("reason", "") if isinstance(doc, dict) else ""
             message = (doc or {}).get("message", text) if isinstance(doc, dict) else text
-            raise KubeError(resp.status, reason or "Error", message[:500])
+            raise _api_error(resp.status, reason or "Error", message, method, path)
         return doc
 
     def version(self, timeout: float | None = None) -> dict:

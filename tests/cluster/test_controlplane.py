@@ -265,3 +265,24 @@ def test_rbac_denies_a_service_account_without_a_role_and_allows_it_after_a_bind
         with pytest.raises(ApiException) as err:
             sa_core.list_namespaced_pod("default")  # the Role is namespaced: other namespaces stay closed
         assert err.value.status == 403
+
+
+def test_a_resource_type_the_server_does_not_serve_is_named_in_the_error(kube_api, namespace):
+    """The real API server answers a request for a resource type it does not serve (a missing CRD: KubeRay not
+    installed) with a bare "404 page not found", not a Status: the operator's error names the resource and says what
+    to install, where it had quoted that text (and its newline) in the Reconciling condition."""
+    from daedalus_operator.kube import KubeAPI, KubeError
+
+    api = KubeAPI(kube_api)
+    body = {"apiVersion": "ray.io/v1", "kind": "RayNothing", "metadata": {"name": "x"}}
+    with pytest.raises(KubeError) as info:
+        api.create("ray.io/v1/raynothings", namespace, body)
+    assert info.value.status == 404 and info.value.not_found
+    assert info.value.message == (
+        f"POST /apis/ray.io/v1/namespaces/{namespace}/raynothings: the API server does not serve ray.io raynothings. "
+        "Install KubeRay (its CRDs and its operator) first: docs/deploy.md section 2")
+    assert api.get("ray.io/v1/raynothings", namespace, "x") is None  # a get still reads as "no such object"
+    # a missing object of a served type keeps the server's own Status message
+    with pytest.raises(KubeError) as info:
+        api.create("v1/configmaps", "no-such-namespace", {"metadata": {"name": "x"}})
+    assert info.value.status == 404 and info.value.message == 'namespaces "no-such-namespace" not found'
