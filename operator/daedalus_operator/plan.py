@@ -536,7 +536,8 @@ class _Builder:
             if is_planned(self.plan.restart_reason):
                 self.set(planned_restarts=self.st.planned_restarts + 1)
             self.to(Phase.RUNNING, Reason.RESUBMITTED,
-                    f"attempt {attempt} ({sid}) submitted, resuming from the checkpoint at step {resume}")
+                    f"attempt {attempt} ({sid}) submitted, "
+                    + (f"resuming from the checkpoint at step {resume}" if latest else "from step 0 (no checkpoint yet)"))
         else:
             self.to(Phase.RUNNING, Reason.SUBMITTED, f"attempt {attempt} ({sid}) submitted"
                     + (f", resuming from the checkpoint at step {resume}" if resume else ""))

@@ -48,7 +48,14 @@ def _desired(st: RLTrainingJobStatus, phase: Phase, error: str | None,
     fail = st.last_failure
     step = f"step {st.current_step}/{st.total_steps or '?'}"
     recovering = rec is not None and phase == Phase.RUNNING
-    if phase == Phase.RUNNING and not recovering:
+    # Submitted (the decision is in status) but the Ray head has not reported the job yet: not Ready. A dashboard the
+    # operator cannot reach (a NetworkPolicy, a head still starting) keeps a job here; it read "running, step 0/N",
+    # and Argo CD's health check "Healthy", for a job Ray never received.
+    unconfirmed = phase == Phase.RUNNING and not st.submission_confirmed and st.submission_id
+    if unconfirmed and not recovering:
+        ready = ("False", Reason.SUBMITTED.value,
+                 f"attempt {st.attempt} submitted as {st.submission_id}; waiting for the Ray head to report it")
+    elif phase == Phase.RUNNING and not recovering:
         ready = ("True", Reason.RUNNING.value, f"attempt {st.attempt} running, {step}")
     elif phase == Phase.SUCCEEDED:
         ready = ("True", Reason.SUCCEEDED.value, f"finished at {step}; adapter at {st.adapter_path}")
@@ -72,6 +79,8 @@ def _desired(st: RLTrainingJobStatus, phase: Phase, error: str | None,
         reconciling = ("True", phase.value, msg)
     elif recovering:
         reconciling = ("True", Reason.RECOVERING.value, ready[2])
+    elif unconfirmed:
+        reconciling = ("True", Reason.SUBMITTED.value, ready[2])
     else:
         reconciling = ("False", Reason.AS_EXPECTED.value, "")
 

@@ -1018,3 +1018,16 @@ def test_a_running_job_whose_invalid_spec_is_fixed_resumes_as_a_planned_restart(
     assert any(isinstance(a, p.Submit) and a.attempt == 2 for a in second.actions), second.actions
     assert (second.status["restarts"], second.status["planned_restarts"]) == (4, 1)
     assert second.restart_reason == "SpecFixed"
+
+
+@pytest.mark.parametrize("latest,says", [
+    ({"step": 12, "path": "/c/12"}, "resuming from the checkpoint at step 12"),
+    (None, "from step 0 (no checkpoint yet)"),  # it said "resuming from the checkpoint at step 0"
+])
+def test_the_resubmitted_event_says_where_the_attempt_starts(latest, says):
+    st = running_status(phase="Recovering", recovery=RECOVERING, latestCheckpoint=latest)
+    if latest is None:
+        del st["latestCheckpoint"]
+    result = p.plan(job(st), obs(state=p.RayJobState.STOPPED), NOW)
+    assert [e.reason for e in result.events] == ["Resubmitted"]
+    assert result.events[0].message == f"attempt 2 ({sid(2)}) submitted, {says}"

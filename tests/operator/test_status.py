@@ -14,7 +14,7 @@ from daedalus_operator import plan as p
 from daedalus_operator.nodes import format_time
 from daedalus_operator.status import CONDITION_ORDER, compute_status, merge_patch
 
-from test_plan import ANNOUNCED, GONE, NOW, RECOVERING, ago, job, obs, running_status, trainer
+from test_plan import ANNOUNCED, GONE, NOW, READY, RECOVERING, ago, job, obs, running_status, sid, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,6 +54,24 @@ def test_running_conditions_and_figures(status_schema: dict) -> None:
     assert st["dashboardUrl"] == "http://10.0.0.5:8265"
     # 13 steps in the 300 s since the attempt started
     assert st["metrics"]["stepsPerHour"] == pytest.approx(13 / (300 / 3600), rel=1e-3)
+
+
+def test_a_submission_the_ray_head_has_not_reported_is_not_ready() -> None:
+    """Decided and recorded (phase Running, a submission id) but unconfirmed: the dashboard did not answer, so Ray may
+    never have received the job. Ready is False and Reconciling True (reason Submitted) until the head reports it;
+    then Running."""
+    j = job(running_status(submissionConfirmed=False, currentStep=0))
+    unreachable = obs(READY, p.RayJobState.UNREACHABLE)
+    st = step(j, unreachable, NOW)
+    assert st["phase"] == "Running" and st["submissionConfirmed"] is False
+    ready, reconciling = cond(st, "Ready"), cond(st, "Reconciling")
+    assert (ready["status"], ready["reason"]) == ("False", "Submitted")
+    assert ready["message"] == (f"attempt 1 submitted as {sid(1)}; waiting for the Ray head to report it")
+    assert (reconciling["status"], reconciling["reason"]) == ("True", "Submitted")
+    confirmed = step(j, obs(READY, p.RayJobState.RUNNING, t=trainer(0)), NOW, old=st)
+    assert confirmed["submissionConfirmed"] is True
+    assert (cond(confirmed, "Ready")["status"], cond(confirmed, "Ready")["reason"]) == ("True", "Running")
+    assert cond(confirmed, "Reconciling")["status"] == "False"
 
 
 def test_no_patch_when_nothing_changed() -> None:
