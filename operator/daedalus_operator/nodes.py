@@ -403,6 +403,8 @@ class ClusterState:
         state: KubeRay's ``status.state`` (``ready``, ``suspended``, ...), empty when absent.
         message: ``status.reason`` or the message of a False condition, for humans.
         created: ``metadata.creationTimestamp`` (``None`` when absent).
+        reported: KubeRay has written any ``status`` (its first reconcile does, within seconds of the creation): a
+            RayCluster that stays without one is one no KubeRay operator reconciles.
         expected_pods: the pods its spec asks for: 1 (the head) + ``replicas x numOfHosts`` of each worker group
             that is not suspended (KubeRay's defaults: 0 replicas, 1 host); ``None`` when it does not exist. The
             operator never patches a RayCluster, so after an edit of the job's worker groups this, not the job's
@@ -419,6 +421,7 @@ class ClusterState:
     message: str = ""
     created: dt.datetime | None = None
     expected_pods: int | None = None
+    reported: bool = True
 
     @property
     def dashboard_url(self) -> str | None:
@@ -488,4 +491,5 @@ def read_cluster(body: Mapping[str, Any] | None, *, control_port: int = api.CONT
         message=status.get("reason") or "; ".join(false_msgs),
         created=parse_time(meta.get("creationTimestamp")),
         expected_pods=expected_cluster_pods(body),
+        reported=bool(status),
     )

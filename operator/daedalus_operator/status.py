@@ -30,6 +30,10 @@ from daedalus_operator.plan import JobView, Observed, Plan
 CONDITION_ORDER = [ConditionType.READY, ConditionType.RECONCILING, ConditionType.STALLED,
                    ConditionType.SUCCEEDED, ConditionType.FAILED, ConditionType.SUSPENDED]
 
+#: Seconds after a RayCluster's creation with no ``status`` at all before the conditions ask whether KubeRay runs (its
+#: first reconcile writes one within seconds; pods still pulling images have one).
+NO_KUBERAY_AFTER_SECONDS = 60.0
+
 _PHASE_MESSAGES = {
     Phase.PENDING: "waiting to create the RayCluster",
     Phase.PROVISIONING: "waiting for the RayCluster to become ready",
@@ -187,6 +191,11 @@ def compute_status(
     if plan.phase in (Phase.PROVISIONING, Phase.RECOVERING):
         said = ([f"RayCluster: {cluster.message}"] if cluster.exists and cluster.message else []) + list(
             observed.health.unscheduled[:2])
+        silent = (now - cluster.created).total_seconds() if cluster.exists and cluster.created else 0.0
+        if cluster.exists and not cluster.reported and not cluster.deleting and silent >= NO_KUBERAY_AFTER_SECONDS:
+            name = f"RayCluster {st.ray_cluster_name}" if st.ray_cluster_name else "the RayCluster"
+            said.insert(0, f"{name} has no status {silent:.0f} s after its creation: is the KubeRay operator "
+                        "running? (docs/deploy.md section 2)")
         detail = "; ".join(said)
     st.conditions = conditions(st.conditions, st, plan.phase, job.generation, now, error, detail)
     return st.model_dump(by_alias=True, mode="json", exclude_none=True)

@@ -166,7 +166,10 @@ def test_read_cluster() -> None:
     provisioning = {"metadata": {"name": "j-ray", "namespace": "ml"}, "status": {"conditions": [
         {"type": "HeadPodReady", "status": "False", "message": "pending"}]}}
     c = read_cluster(provisioning)
-    assert c.exists and not c.ready and "HeadPodReady: pending" in c.message
+    assert c.exists and not c.ready and "HeadPodReady: pending" in c.message and c.reported
+    # as created, before any KubeRay reconciled it (or with none running): no status at all
+    unreported = read_cluster({"metadata": {"name": "j-ray", "namespace": "ml"}, "spec": {}})
+    assert unreported.exists and not unreported.ready and not unreported.reported
     deleting = dict(body, metadata=dict(body["metadata"], deletionTimestamp="2026-01-01T00:00:00Z"))
     assert read_cluster(deleting).deleting and not read_cluster(deleting).ready
     # What KubeRay publishes after the head pod is lost: `state` stays "ready" (until suspend) and the service IP

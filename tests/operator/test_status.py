@@ -74,6 +74,22 @@ def test_a_submission_the_ray_head_has_not_reported_is_not_ready() -> None:
     assert cond(confirmed, "Reconciling")["status"] == "False"
 
 
+@pytest.mark.parametrize("reported,age,asks", [(False, 90, True), (False, 30, False), (True, 600, False)])
+def test_a_raycluster_kuberay_never_answers_makes_the_conditions_ask_for_kuberay(reported, age, asks) -> None:
+    """No KubeRay operator running: the RayCluster the operator created never gets a status, and the job waited
+    "for the RayCluster to become ready" with no hint why. After 60 s without one the conditions ask."""
+    from daedalus_operator.nodes import ClusterState
+
+    cluster = ClusterState(exists=True, ready=False, created=NOW - dt.timedelta(seconds=age), reported=reported)
+    j = job({"phase": "Provisioning", "rayClusterName": "local-tiny-ray"})
+    st = step(j, obs(cluster, p.RayJobState.UNREACHABLE), NOW)
+    assert st["phase"] == "Provisioning"
+    hint = (f"RayCluster local-tiny-ray has no status {age} s after its creation: is the KubeRay operator running? "
+            "(docs/deploy.md section 2)")
+    assert (hint in cond(st, "Ready")["message"]) is asks
+    assert (hint in cond(st, "Reconciling")["message"]) is asks
+
+
 def test_no_patch_when_nothing_changed() -> None:
     j = job(running_status())
     o = obs(t=trainer(13, 10))
