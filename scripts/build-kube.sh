@@ -273,7 +273,7 @@ done
 # debian/rules builds the same way: GOPATH symlink + `make WHAT=...`, CGO off.
 mkdir -p .go/src/k8s.io "$WORK/home" "$WORK/gocache"
 [[ -L .go/src/k8s.io/kubernetes ]] || ln -s ../../.. .go/src/k8s.io/kubernetes
-log "building kube-apiserver and kube-controller-manager (nice $NICE; ~6 min on 2 cores)"
+log "building kube-apiserver and kube-controller-manager (nice $NICE; ~6 min on 2 idle cores, up to ~25 min when they are busy; once, then cached)"
 build_start=$(date +%s)
 if ! env GOPATH="$SRC/.go" CGO_ENABLED=0 GOPROXY=off GOFLAGS=-mod=vendor HOME="$WORK/home" \
        GOCACHE="$WORK/gocache" nice -n "$NICE" \
