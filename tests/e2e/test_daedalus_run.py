@@ -102,6 +102,17 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     assert second["success_after"] == report["success_after"]
     assert second["training_success_after"] == report["training_success_after"]
 
+    # a GRPO setting changed with its checkpoints on disk: refused before the evaluation of the start (it had run for
+    # minutes, rewriting eval-before.json for the new settings, then GRPO refused the checkpoint)
+    before_file = (run_dir / "eval-before.json").read_bytes()
+    job["spec"]["algorithm"]["temperature"] = 0.7
+    job_file.write_text(yaml.safe_dump(job))
+    changed = _run(job_file, runs)
+    assert changed.returncode == 2, changed.stdout[-3000:] + changed.stderr[-3000:]
+    assert "other settings (algorithm.temperature: 0.5 there, 0.7 in this job)" in changed.stderr
+    assert "Evaluation of the starting point" not in changed.stdout and "GRPO" not in changed.stdout
+    assert (run_dir / "eval-before.json").read_bytes() == before_file
+
 
 @pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, 130, r"interrupted \(Ctrl-C\)"),
                                                  (signal.SIGTERM, 143, r"stopped \(SIGTERM\)")], ids=["ctrl-c", "sigterm"])

@@ -151,3 +151,27 @@ def test_sigterm_checkpoints_the_step_in_progress_and_exits_0(sft_start, tmp_pat
     assert saved and int(saved[-1].name.split("-")[1]) >= 2, saved  # no interval checkpoint before step 100
     assert (saved[-1] / "MANIFEST.json").is_file()
     assert not (tmp_path / "run" / "exports" / "adapter").exists()  # stopped, not finished
+
+
+def test_a_tiny_job_without_an_sft_start_says_why_grpo_cannot_learn(tmp_path):
+    """`daedalus train` (what a cluster runs) does not train the SFT start `daedalus run` trains: on a tiny job
+    without model.sftAdapter the policy is random weights. It says so at the start; each step's unparseable replies
+    are put down to the missing format (not to a collapse, whose advice, a lower learning rate, would not help), and
+    the steps whose groups all had one reward are said to teach nothing."""
+    job = tiny_job_dict(algorithm={"steps": 2, "mazesPerStep": 2, "groupSize": 2, "evalIntervalSteps": 0},
+                        environment={"evalMazes": 2}, checkpoint={"intervalSteps": 2})
+    job["spec"]["model"].pop("sftAdapter", None)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(job))
+    env = dict(os.environ, DAEDALUS_METRICS_PORT=str(_free_port()), DAEDALUS_METRICS_HOST="127.0.0.1",
+               DAEDALUS_CONTROL_TOKEN=TOKEN, OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-m", "daedalus_trainer", "train", "--config", str(cfg), "--out",
+                          str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    assert "model.tiny without model.sftAdapter: GRPO starts from the tiny model's random weights" in log
+    assert log.count("as in every step so far: the policy does not write the action format") == 2, log[-3000:]
+    assert "the action format has collapsed" not in log
+    assert log.count("no learning signal from the rewards") == 1  # said once, at step 1
+    assert "step 1: in every group all 2 episodes got the same reward (success 0%)" in log

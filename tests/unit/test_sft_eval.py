@@ -700,3 +700,56 @@ def test_sft_ends_with_a_line_at_the_step_reached_saying_why_it_stopped(tmp_path
     assert len(lines) == 1 and lines[0].startswith(f"sft: step {steps}/1000, ") and lines[0].endswith(
         "s of 2 (100% of the budget)" + why)
     assert json.loads((tmp_path / sft.REPORT_NAME).read_text())["steps"] == steps
+
+
+def test_reusable_result_says_whether_a_run_would_train_sft_again(sft_start, tmp_path):
+    """`daedalus run` asks this before it continues GRPO checkpoints: the session's finished SFT run is reused as
+    it is; raising sft.steps, or a directory without a run, would train (and so change GRPO's starting point)."""
+    from support.jobs import tiny_job_dict
+
+    from daedalus_trainer.config import parse_job
+
+    job = tiny_job_dict()
+    assert sft.reusable_result(parse_job(job), sft_start.parent) == (sft_start, "")
+    steps = job["spec"]["sft"]["steps"]
+    job["spec"]["sft"]["steps"] = steps + 10
+    result, why = sft.reusable_result(parse_job(job), sft_start.parent)
+    assert result is None and f"stopped at step {steps}" in why and f"with sft.steps {steps + 10}" in why
+    job["spec"]["sft"]["steps"] = steps
+    job["spec"]["sft"]["seed"] = 99  # another run's settings: run_sft would refuse to reuse it
+    result, why = sft.reusable_result(parse_job(job), sft_start.parent)
+    assert result is None and "holds an SFT run started with other settings (sft.seed" in why
+    assert sft.reusable_result(parse_job(tiny_job_dict()), tmp_path) == (
+        None, f"{tmp_path} holds no SFT run: it would be trained from the start")
+
+
+def test_daedalus_run_refuses_up_front_a_grpo_checkpoint_whose_sft_start_would_change(sft_start, tmp_path):
+    """`daedalus run` with GRPO checkpoints on disk: the same settings continue; sft.steps raised (SFT would train
+    further, so GRPO's start would change) or a GRPO setting changed is refused before SFT and the evaluation (it was
+    refused after both, minutes later)."""
+    from support.jobs import tiny_job_dict
+
+    from daedalus_trainer.checkpoint import AdapterState, CheckpointError, CheckpointManager, TrainerState
+    from daedalus_trainer.config import parse_job
+    from daedalus_trainer.grpo import run_identity
+    from daedalus_trainer.local import _check_continuable
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(sft_start.parent, run_dir / "sft")  # the run's own finished SFT
+    job = tiny_job_dict()
+    identity = run_identity(parse_job(job), str(run_dir / "sft" / sft_start.name))
+    state = TrainerState(extra={"identity": identity})
+    adapter = AdapterState({"base_model.model.x.lora_A.weight": torch.zeros(2, 2)}, {"r": 2})
+    CheckpointManager(run_dir / "checkpoints").save(3, adapter, {}, state)
+    loaded = CheckpointManager(run_dir / "checkpoints").load_latest()
+
+    _check_continuable(parse_job(job), loaded, run_dir)  # the same job: continues
+    job["spec"]["sft"]["steps"] += 10
+    with pytest.raises(CheckpointError, match=r"it would train further, which would change GRPO's starting point. "
+                       r"To train GRPO again from the longer SFT, move the GRPO checkpoints aside \(mv "):
+        _check_continuable(parse_job(job), loaded, run_dir)
+    job["spec"]["sft"]["steps"] -= 10
+    job["spec"]["algorithm"]["seed"] = 5
+    with pytest.raises(CheckpointError, match=r"other settings \(algorithm.seed: 0 there, 5 in this job\)"):
+        _check_continuable(parse_job(job), loaded, run_dir)

@@ -714,6 +714,7 @@ class Trainer:
                     answer_with(latest)
         self.control.set_status(phase="training", step=step)
         stopped = False
+        silent_said = False
         try:
             while step < algo.steps:
                 if self.control.stop_requested():
@@ -739,10 +740,27 @@ class Trainer:
                 history.append(record)
                 if record["parse_error_ratio"] >= FORMAT_COLLAPSE_RATIO:
                     # Measured on the tiny model: lr 3e-3 took parse errors from 0% to 99.7% in two steps; once every
-                    # reply is unparseable every group has equal rewards and GRPO cannot recover on its own.
-                    log.warning("step %d: %.0f%% of replies could not be parsed: the action format has collapsed; "
-                                "resume from an earlier checkpoint with a lower algorithm.learningRate or a klCoef > 0",
-                                step, 100 * record["parse_error_ratio"])
+                    # reply is unparseable every group has equal rewards and GRPO cannot recover on its own. A policy
+                    # that never had the format (a random or base model without SFT) gets other advice.
+                    if all(h.get("parse_error_ratio", 0.0) >= FORMAT_COLLAPSE_RATIO for h in history):
+                        log.warning("step %d: %.0f%% of replies could not be parsed, as in every step so far: the "
+                                    "policy does not write the action format (environment.actionFormat %r); start "
+                                    "GRPO from a supervised checkpoint (model.sftAdapter; `daedalus run` trains one "
+                                    "for a tiny model)", step, 100 * record["parse_error_ratio"],
+                                    self.job.spec.environment.action_format)
+                    else:
+                        log.warning("step %d: %.0f%% of replies could not be parsed: the action format has collapsed; "
+                                    "resume from an earlier checkpoint with a lower algorithm.learningRate or a "
+                                    "klCoef > 0", step, 100 * record["parse_error_ratio"])
+                if record["zero_variance_groups"] == algo.mazes_per_step and not silent_said:
+                    # GRPO's advantage is zero in a group whose episodes got equal rewards: a step where every group
+                    # is so has nothing to learn from (without a KL term, an adapter byte-identical to the last); said once per run.
+                    silent_said = True
+                    log.warning("step %d: in every group all %d episodes got the same reward (success %.0f%%): no "
+                                "learning signal from the rewards; GRPO needs groups with both outcomes "
+                                "(a stronger SFT start, larger algorithm.groupSize, or easier mazes). Said once; "
+                                "the summary counts such steps", step, algo.group_size,
+                                100 * record["success_ratio"])
                 self.metrics.observe_step(StepStats(
                     step=step, success_ratio=record["success_ratio"], reward_mean=record["reward_mean"],
                     episode_turns=record["episode_turns"], rollout_tokens=record["rollout_tokens"],
@@ -829,7 +847,7 @@ class Trainer:
         ratio = sum(wins) / len(wins)
         self.metrics.observe_eval(ratio)
         self.control.set_status(phase="training")
-        log.info("held-out greedy success at step %d: %.3f (%d mazes)", step, ratio, len(wins))
+        log.info("held-out greedy success at step %d: %.3f (%d episodes)", step, ratio, len(wins))
         return ratio
 
 
@@ -1232,6 +1250,12 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     from daedalus_trainer.policy import check_model_paths
 
     check_model_paths(job.spec.model)  # a missing or cut-short start or base model: one line now, not an actor's death
+    if job.spec.model.tiny and not job.spec.model.sft_adapter:
+        # `daedalus run` trains the SFT start itself; `train` (what a cluster runs) does not: a random-weight policy
+        # writes no action, every group is all failures and GRPO has nothing to learn from.
+        log.warning("model.tiny without model.sftAdapter: GRPO starts from the tiny model's random weights, which write "
+                    "no valid action; give model.sftAdapter (`daedalus sft JOB.yaml` trains one) or use `daedalus run`, "
+                    "which trains it first")
     target = Path(out_dir) if out_dir else run_dir_for(job)
     start: str | LoadedCheckpoint = resume
     if resume not in ("latest", "none"):  # a checkpoint PATH: verified now, not after Ray and the model start

@@ -170,6 +170,33 @@ def _evaluate(job, model_path: str, adapter_path: str | None, console=None) -> t
 DEFAULT_PORT = 9400
 
 
+def _check_continuable(job: Any, loaded: LoadedCheckpoint, run_dir: Path) -> None:
+    """Refuse, before SFT and the evaluation, to continue the GRPO checkpoint ``loaded`` when the run could only refuse
+    it later (:func:`daedalus_trainer.grpo.check_same_run`): other GRPO settings, or a starting point that differs or
+    that SFT would now train further (``sft.steps`` raised with GRPO checkpoints on the shorter SFT).
+
+    Raises:
+        daedalus_trainer.checkpoint.CheckpointError: what differs, and the ways on.
+    """
+    from daedalus_trainer import sft
+    from daedalus_trainer.checkpoint import CheckpointError
+    from daedalus_trainer.grpo import check_same_run, run_identity
+
+    saved = loaded.trainer_state.extra.get("identity")
+    start_dir: str | None = job.spec.model.sft_adapter
+    if not start_dir:
+        result, why = sft.reusable_result(job, run_dir / "sft")
+        if result is None:
+            checkpoints = run_dir / "checkpoints"
+            raise CheckpointError(
+                f"{loaded.path} continues GRPO from the SFT model as it was, and {why}, which would change GRPO's "
+                f"starting point. To train GRPO again from the longer SFT, move the GRPO checkpoints aside (mv "
+                f"{checkpoints} {checkpoints}.old) and run again; to continue GRPO, restore the sft settings; to "
+                "start everything over, --resume none")
+        start_dir = str(result)
+    check_same_run(saved, run_identity(job, start_dir), loaded.path)
+
+
 def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", port: int | None = None) -> int:
     """Run SFT (if needed) -> eval -> GRPO -> eval for the job in ``job_path`` and print the report.
 
@@ -215,23 +242,25 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
             check_port_free("127.0.0.1", port, "--port (or DAEDALUS_METRICS_PORT)")
         except UsageError as exc:
             return refuse(str(exc))
-    start: str | LoadedCheckpoint = resume  # what the Trainer resumes from: a --resume PATH is read once, here
-    if resume != "latest":
-        # A GRPO checkpoint path is verified now, not after SFT and an evaluation (the trainer moves the checkpoints
-        # it will not continue aside once it has accepted it), its adapter included. With `none`, the old run's GRPO
-        # checkpoints go aside before SFT starts over, so that an interrupted run is never followed by a `latest`
-        # resume of the old timeline on top of a new SFT model.
-        from daedalus_trainer.checkpoint import CheckpointError, CheckpointManager
-        from daedalus_trainer.grpo import resume_checkpoint
+    start: str | LoadedCheckpoint = resume  # what the Trainer resumes from: the checkpoint is read once, here
+    # The GRPO checkpoint to continue is read, verified and checked against this job now, not after SFT and an
+    # evaluation (minutes, and an eval-before.json rewritten for settings the run then refuses), its adapter included
+    # (the trainer moves the checkpoints it will not continue aside once it has accepted it). With `none`, the old
+    # run's GRPO checkpoints go aside before SFT starts over, so that an interrupted run is never followed by a
+    # `latest` resume of the old timeline on top of a new SFT model.
+    from daedalus_trainer.checkpoint import CheckpointError, CheckpointManager
+    from daedalus_trainer.grpo import resume_checkpoint
 
-        try:
-            loaded = resume_checkpoint(job, run_dir / "checkpoints", resume)
-        except CheckpointError as exc:
-            return refuse(f"--resume {resume}: {exc}")
-        if loaded is None:
-            CheckpointManager(run_dir / "checkpoints", keep=job.spec.checkpoint.keep).abandon_other_timelines(None)
-        else:
-            start = loaded
+    try:
+        loaded = resume_checkpoint(job, run_dir / "checkpoints", resume)
+        if loaded is not None:
+            _check_continuable(job, loaded, run_dir)
+    except CheckpointError as exc:
+        return refuse(f"--resume {resume}: {exc}")
+    if loaded is not None:
+        start = loaded
+    elif resume == "none":
+        CheckpointManager(run_dir / "checkpoints", keep=job.spec.checkpoint.keep).abandon_other_timelines(None)
     make_dir(run_dir, "--runs-dir")
     console.print(f"[bold]daedalus run[/bold] {escape(str(job_path))}: job [cyan]{job.metadata.name}[/cyan] -> "
                   f"{escape(str(run_dir))}/ "
@@ -350,6 +379,13 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
         console.print(f"held-out greedy gain: {100 * gain['gain']:+.1f} points, 95% CI [{100 * gain['ci_low']:+.1f}, "
                       f"{100 * gain['ci_high']:+.1f}] (the same {gain['episodes']} episodes before and after, "
                       f"bootstrap over {pairs}); {gain['fixed']} episodes fixed, {gain['broken']} broken")
+    silent = [h["step"] for h in result.history if h.get("zero_variance_groups") == job.spec.algorithm.mazes_per_step]
+    if silent:
+        every = len(silent) == len(result.history)
+        console.print(f"[yellow]{'every one' if every else len(silent)} of the {len(result.history)} GRPO steps had no "
+                      "group whose episodes differed in reward: nothing to learn from"
+                      + (" (a stronger SFT start, a larger algorithm.groupSize or easier mazes give GRPO both outcomes "
+                         "to compare)" if every else "") + "[/yellow]")
     resumed = report["grpo_resumed_from"]
     grpo = (f"GRPO steps: {report['steps']} in {report['grpo_wall_seconds']:.0f} s" if not resumed else
             f"GRPO steps: {report['steps']}, the last {report['steps'] - resumed} in {report['grpo_wall_seconds']:.0f} s "

@@ -510,6 +510,33 @@ def check_same_run(ckpt: Path, job: Any, state: SFTState | None = None) -> None:
             "the job another metadata.name")
 
 
+def reusable_result(job: Any, out_dir: str | Path) -> tuple[Path | None, str]:
+    """What :func:`run_sft` with ``resume`` would do in ``out_dir``, found without loading a model: ``(result,
+    why)``, ``result`` the model or adapter directory it would hand back as it is (finished, its ``sft.steps`` /
+    ``sft.maxSeconds`` budget spent, started with ``job``'s settings), else ``None`` and ``why`` it would train
+    (no SFT run yet, a budget raised since, an unfinished run, other settings, an unreadable checkpoint).
+    ``daedalus run`` asks before it continues GRPO checkpoints, whose starting point must stay as it was."""
+    from daedalus_trainer.checkpoint import CheckpointError
+
+    out_dir = Path(out_dir)
+    ckpt = _find_checkpoint(out_dir)
+    if ckpt is None:
+        return None, f"{out_dir} holds no SFT run: it would be trained from the start"
+    try:
+        saved = _read_state(ckpt)
+        check_same_run(ckpt, job, saved)
+    except CheckpointError as exc:
+        return None, str(exc)
+    result = finished_result(out_dir, saved.step)
+    max_steps, max_seconds = int(job.spec.sft.steps), float(job.spec.sft.max_seconds)
+    if result is None:
+        return None, f"the SFT run in {out_dir} is unfinished (step {saved.step}): it would train on"
+    if not (saved.step >= max_steps or (max_seconds > 0 and saved.seconds >= max_seconds)):
+        return None, (f"the SFT run in {out_dir} stopped at step {saved.step} ({saved.seconds:.0f} s); with sft.steps "
+                      f"{max_steps} and sft.maxSeconds {max_seconds:g} it would train further")
+    return result, ""
+
+
 def _damaged(ckpt: Path, file: str, exc: BaseException) -> Exception:
     """The :class:`~daedalus_trainer.checkpoint.CheckpointError` for the SFT checkpoint ``ckpt`` whose ``file``
     cannot be read: the first sentence of what ``exc`` (or the error it was raised from) says, and the way on."""
