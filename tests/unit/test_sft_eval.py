@@ -526,6 +526,11 @@ def test_run_eval_reports_json_table_and_gifs(tiny_checkpoint, tmp_path):
     console.print(dataclasses.replace(rep, results=wide).table())
     text = console.export_text()
     assert "…" not in text and "64.1% (164/256)" in text and "58.0%–100.0%" in text and "bumps" in text
+    assert "T=x: sampled at temperature x" in " ".join(text.split())
+    console = Console(record=True, width=80)  # --greedy-only: no sampled row, so no note on what T=x means
+    console.print(dataclasses.replace(rep, results=[r for r in wide if r.mode == "greedy"]).table())
+    text = " ".join(console.export_text().split())
+    assert "T=x" not in text and "x opt.: turns / optimal actions" in text
 
 
 def test_load_engine_puts_back_an_export_that_a_killed_export_left_aside(tiny_policy, tiny_job, tmp_path):

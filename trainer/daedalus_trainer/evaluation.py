@@ -314,8 +314,8 @@ class EvalReport:
                     f"{self.mazes // self.corners} layouts x {self.corners} corner pairs = {self.mazes} episodes")
         t = Table(title=f"{self.job}: {self.split} evaluation, {episodes} of size {self.size} "
                         f"({self.layouts.summary()})",
-                  caption="T=x: sampled at temperature x; x opt.: turns / optimal actions (successes); "
-                          "unparsed, bumps: shares of all turns")
+                  caption=("T=x: sampled at temperature x; " if any(r.mode != "greedy" for r in self.results)
+                           else "") + "x opt.: turns / optimal actions (successes); unparsed, bumps: shares of all turns")
         # Short headers and unwrapped figures: the whole row fits an 80-column terminal, the CI's bounds included.
         for col in ("mode", "success", "95% CI", "turns", "x opt.", "unparsed", "bumps"):
             t.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
