@@ -593,6 +593,20 @@ def test_cli_writes_png_and_prints_map_and_solution(tmp_path, capsys) -> None:
     assert reward == 1.0 and terminated
 
 
+def test_cli_writes_the_format_the_extension_names_and_refuses_one_that_is_not_an_image(tmp_path, capsys) -> None:
+    for name, fmt in (("m.jpg", "JPEG"), ("m.gif", "GIF"), ("m", "PNG")):  # it wrote a PNG under any name
+        assert maze_cli.run(7, 1, str(tmp_path / name)) == 0
+        with Image.open(tmp_path / name) as im:
+            assert im.format == fmt and im.size == (7 * 25, 7 * 25)
+    capsys.readouterr()
+    assert maze_cli.run(7, 1, str(tmp_path / "new" / "m.txt")) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"daedalus maze: --out {tmp_path / 'new' / 'm.txt'}: .txt is not an image format Pillow writes; name a .png "
+        "file (or .jpg, .gif, .webp)\n")
+    assert not (tmp_path / "new").exists()  # refused before its directory is made
+
+
 def test_cli_main_other_format_and_errors(tmp_path, capsys) -> None:
     assert maze_cli.main(["--size", "7", "--seed", "1", "--action-format", "tuple", "--cell-px", "16"]) == 0
     printed = capsys.readouterr().out

@@ -539,7 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--size", type=_int_between(5, 63, "environment.size's range"), default=9,
                    help="odd side length including walls, 5-63 (default 9)")
     s.add_argument("--seed", type=int, default=0, help="maze seed (default 0; the same seed gives the same maze)")
-    s.add_argument("--out", default=None, help="write the rendered PNG here (default: no PNG, text only)")
+    s.add_argument("--out", default=None, help="write the picture here: PNG, or the format the name's extension says (.jpg, .gif, ...); "
+                                            "default: no picture, text only")
     s.add_argument("--cell-px", type=_int_between(4, 128, "environment.cellPixels' range"), default=25,
                    help="cell size in pixels, 4-128 (default 25, as VisGym)")
     s.add_argument("--action-format", default="function", choices=["function", "tuple", "tag"],

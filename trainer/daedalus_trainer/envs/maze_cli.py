@@ -31,7 +31,8 @@ def run(size: int, seed: int, out: str | None, cell_px: int = 25, action_format:
     Args:
         size: odd, >= 5, walls included.
         seed: generator seed (any non-negative int).
-        out: PNG path (parent folders are created), or None for no picture.
+        out: image path (parent folders are created), or None for no picture: PNG, or the format its extension
+            names (``.jpg``, ``.gif``, ...; one Pillow cannot write is refused).
         cell_px: pixels per cell (>= 4).
         action_format: ``function``, ``tuple`` or ``tag``.
 
@@ -53,10 +54,17 @@ def run(size: int, seed: int, out: str | None, cell_px: int = 25, action_format:
         text = str(err).replace("cell_px", "--cell-px").replace("maze size", "--size").replace("seed must", "--seed must")
         print(f"daedalus maze: {text}", file=sys.stderr)
         return 2
+    fmt = "PNG"
     if out is not None:  # after the arguments (a refused call creates no directory), before the maze is printed
         try:
             if Path(out).is_dir():
                 raise UsageError(f"--out {out} is a directory; give the path of the PNG file to write")
+            ext = Path(out).suffix.lower()
+            if ext:  # the format its name says (.png, .jpg, .gif, .webp, ...); no extension: PNG
+                fmt = Image.registered_extensions().get(ext, "")
+                if fmt not in Image.SAVE:
+                    raise UsageError(f"--out {out}: {ext} is not an image format Pillow writes; name a .png file "
+                                     "(or .jpg, .gif, .webp)")
             make_dir(Path(out).parent, "--out")
         except UsageError as err:
             print(f"daedalus maze: {err}", file=sys.stderr)
@@ -71,7 +79,7 @@ def run(size: int, seed: int, out: str | None, cell_px: int = 25, action_format:
     if out is not None:
         path = Path(out)
         try:
-            Image.fromarray(image, mode="RGB").save(path, format="PNG")
+            Image.fromarray(image, mode="RGB").save(path, format=fmt)
         except OSError as err:  # permissions, a full disk
             print(f"daedalus maze: cannot write {path}: {err.strerror or err}", file=sys.stderr)
             return 2
