@@ -71,9 +71,39 @@ def test_without_verification_nothing_is_chosen(root_with_a_past: Path) -> None:
     assert all(e.problems is None and not e.chosen for e in entries)
 
 
+def test_a_checkpoint_a_killed_resave_left_aside_is_where_a_resume_starts(root_with_a_past: Path) -> None:
+    """A kill between a re-save's two renames leaves step-000002 only as .trash-step-000002-<id>; the next resume
+    puts it back (CheckpointManager.resume) and starts there: the listing says so, not "leftover"."""
+    (root_with_a_past / "step-000002").rename(root_with_a_past / ".trash-step-000002-deadbeef")
+    entries = {e.name: e for e in inspect_root(root_with_a_past)}
+    replaced = entries[".trash-step-000002-deadbeef"]
+    assert (replaced.kind, replaced.step, replaced.problems, replaced.chosen) == ("replaced", 2, (), True)
+    assert not entries["step-000001"].chosen
+    assert CheckpointManager(root_with_a_past).resume("latest").step == 2  # the same choice
+
+
+def test_a_state_without_an_integer_step_is_not_chosen_as_load_latest_rejects_it(root_with_a_past: Path) -> None:
+    ckpt = root_with_a_past / "step-000002"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["step"] = "two"
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    manifest = json.loads((ckpt / "MANIFEST.json").read_text())  # re-hashed: only the content is wrong
+    import hashlib
+
+    for f in manifest["files"]:
+        if f["path"] == "trainer_state.json":
+            data = (ckpt / "trainer_state.json").read_bytes()
+            f["bytes"], f["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
+    entries = {e.name: e for e in inspect_root(root_with_a_past)}
+    assert entries["step-000002"].problems and not entries["step-000002"].chosen
+    assert entries["step-000001"].chosen and load_latest(root_with_a_past).step == 1
+
+
 def test_delete_abandoned_removes_only_abandoned_timelines(root_with_a_past: Path) -> None:
     before = {e.name: e.bytes for e in inspect_root(root_with_a_past, verify=False)}
-    deleted = delete_abandoned(root_with_a_past)
+    deleted, failed = delete_abandoned(root_with_a_past)
+    assert failed == []
     assert sorted(e.step for e in deleted) == [2, 3]
     assert sum(e.bytes for e in deleted) == sum(b for n, b in before.items() if n.startswith("abandoned-"))
     names = sorted(p.name for p in root_with_a_past.iterdir())
@@ -124,6 +154,24 @@ def test_cli_exit_1_when_no_checkpoint_verifies(root_with_a_past: Path, capsys, 
     assert "<- resume" not in out
     with pytest.raises(CheckpointError, match=f"`daedalus checkpoints {root_with_a_past}` lists each one"):
         load_latest(root_with_a_past)  # a resume's refusal points at the listing
+
+
+def test_cli_given_a_damaged_checkpoint_lists_its_root(root_with_a_past: Path, capsys, wide) -> None:
+    """status.latestCheckpoint.path of a checkpoint without its manifest: the root is listed (it read as an empty
+    root: "0 checkpoints, resume: latest starts fresh", exit 0)."""
+    (root_with_a_past / "step-000002" / "MANIFEST.json").unlink()
+    assert main(["checkpoints", str(root_with_a_past / "step-000002")]) == 0
+    out = capsys.readouterr().out
+    assert "2 checkpoints (" in out and "corrupt: MANIFEST.json: missing" in out
+    assert "resume: latest starts from step-000001 (step 1)" in out
+
+
+def test_cli_json_exit_status_matches_the_table(root_with_a_past: Path, capsys) -> None:
+    for step in (1, 2):
+        flip_a_byte(root_with_a_past / f"step-00000{step}" / "optimizer.pt")
+    assert main(["checkpoints", str(root_with_a_past), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and doc["resumeFrom"] is None
 
 
 def test_cli_bad_paths_are_one_line_errors(tmp_path: Path, capsys) -> None:

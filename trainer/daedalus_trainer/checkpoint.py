@@ -963,15 +963,18 @@ _ABANDONED_DIR = re.compile(r"^abandoned-step-(\d{6,})-")
 class RootEntry:
     """One directory under a checkpoint root, as :func:`inspect_root` found it.
 
-    ``kind`` is ``"checkpoint"`` (``step-NNNNNN``: what ``resume: latest`` chooses from), ``"abandoned"``
-    (``abandoned-step-NNNNNN-<utc>-<id>``: a timeline a run did not continue, kept until deleted by hand or
-    :func:`delete_abandoned`) or ``"leftover"`` (``.tmp-*`` / ``.trash-*``: an interrupted save or deletion, removed
-    by the next save). ``step`` comes from the name (``None`` for leftovers); ``bytes`` is the sum of the file sizes
-    under the directory (``st_size``, bytes); ``time`` is the manifest's commit time (seconds since the epoch), or
-    ``None`` without a readable manifest. ``problems`` is what :func:`verify_checkpoint` found (empty: it verifies;
-    ``None``: not verified: leftovers, or ``verify=False``); ``error`` an I/O error that stopped the reading (it says
-    nothing of the content). ``latest``: the ``latest`` pointer names it; ``chosen``: ``resume: latest`` would resume
-    from it (the newest ``step-*`` that verifies; only set when verifying).
+    ``kind`` is ``"checkpoint"`` (``step-NNNNNN``: what ``resume: latest`` chooses from), ``"replaced"`` (a
+    ``.trash-step-NNNNNN-*`` that a re-save of its step moved aside and a kill left without a ``step-NNNNNN``: the
+    next resume puts it back, so it counts as that checkpoint), ``"abandoned"`` (``abandoned-step-NNNNNN-<utc>-<id>``:
+    a timeline a run did not continue, kept until deleted by hand or :func:`delete_abandoned`) or ``"leftover"``
+    (another ``.tmp-*`` / ``.trash-*``: an interrupted save or deletion, removed by the next save). ``step`` comes
+    from the name (``None`` for leftovers); ``bytes`` is the sum of the file sizes under the directory (``st_size``,
+    bytes); ``time`` is the manifest's commit time (seconds since the epoch), or ``None`` without a readable
+    manifest. ``problems`` is why a resume would reject it (:func:`load_checkpoint`'s checks: the manifest, every
+    file's size and sha256, the trainer state's step; empty: it loads; ``None``: not verified: leftovers, or
+    ``verify=False``); ``error`` an I/O error that stopped the reading (:data:`READ_ERRNOS`: it says nothing of the
+    content). ``latest``: the ``latest`` pointer names it; ``chosen``: ``resume: latest`` would resume from it (the
+    newest that loads, as :func:`load_latest` picks; only set when verifying).
     """
 
     name: str
@@ -990,7 +993,7 @@ def _tree_bytes(path: Path) -> int:
     total = 0
     for p in path.rglob("*"):
         try:
-            if p.is_file() and not p.is_symlink():
+            if p.is_file():
                 total += p.stat().st_size
         except OSError:  # vanished meanwhile (a concurrent save's clean-up) or unreadable: not counted
             pass
@@ -1001,20 +1004,42 @@ def _manifest_time(path: Path) -> float | None:
     try:
         doc = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
         return float(doc["time"]) if isinstance(doc, dict) and "time" in doc else None
-    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError):
         return None
 
 
+def _load_problems(path: Path) -> tuple[ManifestProblem, ...]:
+    """Why :func:`load_latest` would reject the checkpoint at ``path`` (empty: it loads), with its classification.
+
+    Raises:
+        OSError: a read failed for the file system's or the permissions' sake (:data:`READ_ERRNOS`), or the
+            directory went away meanwhile (``FileNotFoundError``: rotated by a running save).
+    """
+    try:
+        load_checkpoint(path)
+    except CheckpointCorruptError as e:
+        return tuple(e.problems[path.absolute()])
+    except OSError as e:
+        if e.errno in READ_ERRNOS or not path.is_dir():
+            raise
+        return (ManifestProblem(Path(e.filename).name if e.filename else TRAINER_STATE, "unreadable",
+                                f"{type(e).__name__}: {e}"),)
+    except (ValueError, KeyError, TypeError) as e:  # e.g. trainer_state.json lacking an integer "step"
+        return (ManifestProblem(TRAINER_STATE, "unreadable JSON", f"{type(e).__name__}: {e}"),)
+    return ()
+
+
 def inspect_root(root: str | os.PathLike[str], *, verify: bool = True) -> list[RootEntry]:
-    """Every checkpoint, abandoned checkpoint and leftover directory under ``root``, sorted by kind (checkpoints,
-    abandoned, leftovers), then step, then name. Reads; changes nothing (the ``latest`` pointer, a leftover of an
-    interrupted save: all left as they are), so it is safe beside a running trainer.
+    """Every checkpoint, replaced, abandoned and leftover directory under ``root``, sorted by kind (checkpoints and
+    replaced ones by step, then abandoned, then leftovers). Reads; changes nothing (the ``latest`` pointer, a
+    leftover, a replaced checkpoint: all left as they are), so it is safe beside a running trainer: a directory that
+    a running save rotates away while it is read is left out.
 
     Args:
         root: a checkpoint root (``runs/<name>/checkpoints``; on a cluster ``<checkpoint.path>/<namespace>/<name>/
             checkpoints``).
-        verify: check every ``step-*`` and ``abandoned-*`` directory against its manifest (reads every byte once,
-            sha256; what a resume does for the newest) and mark the one ``resume: latest`` would choose.
+        verify: check every ``step-*``, replaced and ``abandoned-*`` directory as a resume would (reads every byte
+            once, sha256) and mark the one ``resume: latest`` would choose.
 
     Returns:
         The entries; ``[]`` for an empty root.
@@ -1027,16 +1052,19 @@ def inspect_root(root: str | os.PathLike[str], *, verify: bool = True) -> list[R
         raise CheckpointError(f"{root} does not exist or is not a directory")
     pointer = read_latest_pointer(root)
     entries: list[RootEntry] = []
-    for entry in root.iterdir():
-        if not entry.is_dir() or entry.is_symlink():
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir():  # a symlink to a directory counts, as list_checkpoints counts it
             continue
         name = entry.name
         step = _step_of(name)
         abandoned = _ABANDONED_DIR.match(name)
+        replaced = _trashed_name(entry)
         if step is not None:
             kind = "checkpoint"
         elif abandoned:
             kind, step = "abandoned", int(abandoned.group(1))
+        elif replaced is not None and _step_of(replaced) is not None and not (root / replaced).exists():
+            kind, step = "replaced", _step_of(replaced)
         elif name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
             kind = "leftover"
         else:
@@ -1045,19 +1073,24 @@ def inspect_root(root: str | os.PathLike[str], *, verify: bool = True) -> list[R
         error = None
         if verify and kind != "leftover":
             try:
-                problems = tuple(verify_checkpoint(entry))
-            except OSError as e:  # READ_ERRNOS: the file system's or the permissions' fault
+                problems = _load_problems(entry)
+            except OSError as e:
+                if not entry.is_dir():
+                    continue  # rotated away by a running save while it was read: no longer there
                 error = f"{type(e).__name__}: {e}"
+            if problems and not entry.is_dir():
+                continue
         entries.append(RootEntry(name=name, path=entry, kind=kind, step=step, bytes=_tree_bytes(entry),
                                  time=_manifest_time(entry) if kind != "leftover" else None, problems=problems,
                                  error=error, latest=name == pointer))
-    order = {"checkpoint": 0, "abandoned": 1, "leftover": 2}
+    order = {"checkpoint": 0, "replaced": 0, "abandoned": 1, "leftover": 2}
     entries.sort(key=lambda e: (order[e.kind], -1 if e.step is None else e.step, e.name))
     if verify:
-        # load_latest's choice: the newest step-* that verifies, unless an I/O error stops it first.
+        # load_latest's choice (after CheckpointManager.resume puts a replaced one back): the newest that loads,
+        # unless an I/O error stops it first.
         for i in range(len(entries) - 1, -1, -1):
             e = entries[i]
-            if e.kind != "checkpoint":
+            if e.kind not in ("checkpoint", "replaced"):
                 continue
             if e.error is not None:
                 break
@@ -1067,29 +1100,38 @@ def inspect_root(root: str | os.PathLike[str], *, verify: bool = True) -> list[R
     return entries
 
 
-def delete_abandoned(root: str | os.PathLike[str]) -> list[RootEntry]:
+def delete_abandoned(root: str | os.PathLike[str]) -> tuple[list[RootEntry], list[tuple[RootEntry, str]]]:
     """Delete every ``abandoned-step-*`` directory under ``root`` (the timelines runs did not continue, which
     :class:`CheckpointManager` never deletes itself). Each is renamed to ``.trash-*`` first, so no half-deleted
-    directory keeps its name (a later save's clean-up finishes one an interruption left). ``step-*`` checkpoints, the
-    ``latest`` pointer and leftovers are not touched: safe beside a running trainer, which only ever renames
-    directories *to* ``abandoned-*``.
+    directory keeps its name. ``step-*`` checkpoints, the ``latest`` pointer and leftovers are not touched: safe
+    beside a running trainer, which only ever renames directories *to* ``abandoned-*`` (but not beside a run that
+    was started with ``--resume`` naming an abandoned directory and has not loaded it yet). Symbolic links are left.
 
     Returns:
-        The entries deleted (not verified: ``problems`` is ``None``), with their sizes in bytes.
+        ``(deleted, failed)``: the entries deleted (not verified: ``problems`` is ``None``), with their sizes in
+        bytes; and those that could not be (wholly) deleted, with why (what is left of one is a ``.trash-*``
+        directory that the next save's clean-up removes).
 
     Raises:
         CheckpointError: ``root`` does not exist or is not a directory.
-        OSError: a rename failed (permissions, a read-only file system); the ones before it are deleted.
     """
-    deleted = []
+    deleted: list[RootEntry] = []
+    failed: list[tuple[RootEntry, str]] = []
     for entry in inspect_root(root, verify=False):
-        if entry.kind == "abandoned":
-            _remove_tree(entry.path)
-            log.info("deleted %s (%d bytes)", entry.path, entry.bytes)
-            deleted.append(entry)
-    if deleted:
+        if entry.kind != "abandoned" or entry.path.is_symlink():
+            continue
+        trash = entry.path.with_name(f"{_TRASH_PREFIX}{entry.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(entry.path, trash)
+            shutil.rmtree(trash)
+        except OSError as e:
+            failed.append((entry, f"{type(e).__name__}: {e}"))
+            continue
+        log.info("deleted %s (%d bytes)", entry.path, entry.bytes)
+        deleted.append(entry)
+    if deleted or failed:
         _fsync_path(Path(root).absolute(), directory=True)
-    return deleted
+    return deleted, failed
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -226,7 +226,10 @@ def _checkpoint_root(given: str) -> Path:
     if not path.is_dir():
         raise UsageError(f"{given} is a file; give a checkpoint root (runs/<name>/checkpoints) or the run directory "
                          "holding it")
-    if (path / "MANIFEST.json").is_file():  # one checkpoint (status.latestCheckpoint.path): the root holding it
+    import re
+
+    # one checkpoint (status.latestCheckpoint.path), however damaged: the root holding it
+    if (path / "MANIFEST.json").is_file() or re.match(r"^(abandoned-)?step-\d{6,}", path.name):
         return path.parent
     if (path / "checkpoints").is_dir() and not any(e.name.startswith(("step-", "abandoned-step-"))
                                                    for e in path.iterdir()):
@@ -247,13 +250,14 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
 
     root = _checkpoint_root(args.root)
     entries = inspect_root(root, verify=not args.no_verify)
-    deleted = delete_abandoned(root) if args.delete_abandoned else []
+    deleted, failed = delete_abandoned(root) if args.delete_abandoned else ([], [])
     gone = {e.name for e in deleted}
     kept = [e for e in entries if e.name not in gone]
-    checkpoints = [e for e in kept if e.kind == "checkpoint"]
+    checkpoints = [e for e in kept if e.kind in ("checkpoint", "replaced")]
     chosen = next((e for e in checkpoints if e.chosen), None)
     unreadable = any(e.error for e in checkpoints)
     refuses = bool(checkpoints) and not args.no_verify and chosen is None
+    status = 1 if refuses or unreadable or failed else 0
     if args.json:
         doc = {
             "root": str(root.absolute()),
@@ -265,9 +269,11 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
                 for e in kept
             ],
             "deleted": [{"name": e.name, "bytes": e.bytes} for e in deleted],
+            "notDeleted": [{"name": e.name, "error": why} for e, why in failed],
+            "ok": status == 0,
         }
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-        return 1 if refuses else 0
+        return status
 
     console = Console(highlight=False)
 
@@ -283,6 +289,8 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
         for e in kept:
             if e.kind == "leftover":
                 state = "[dim]leftover (the next save removes it)[/]"
+            elif e.kind == "replaced" and not e.error and e.problems is None:
+                state = f"a re-save's old copy of step-{e.step:06d} (the next resume puts it back)"
             elif e.error:
                 state = f"[red]unreadable[/]: {escape(e.error)}"
             elif e.problems is None:
@@ -291,6 +299,8 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
                 state = "[red]corrupt[/]: " + escape("; ".join(f"{p.file}: {p.reason}" for p in e.problems))
             else:
                 state = "ok"
+            if e.kind == "replaced" and e.problems is not None:
+                state += f" [dim](a re-save's old copy of step-{e.step:06d}: the next resume puts it back)[/]"
             marks = [m for m, on in (("latest", e.latest), ("resume", e.chosen)) if on]
             if marks:
                 state += f" [bold]<- {', '.join(marks)}[/]"
@@ -301,7 +311,8 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
         say("[dim]latest: the pointer names it; resume: `--resume latest` starts from it (the newest that "
                       "verifies); abandoned-step-*: a timeline a run did not continue (`--resume none` or an older "
                       "PATH), never resumed from by `latest`[/]")
-    by_kind = {k: [e for e in kept if e.kind == k] for k in ("checkpoint", "abandoned", "leftover")}
+    by_kind = {k: [e for e in kept if e.kind == k or (k, e.kind) == ("checkpoint", "replaced")]
+               for k in ("checkpoint", "abandoned", "leftover")}
     nouns = {"checkpoint": "checkpoint", "abandoned": "abandoned timeline", "leftover": "leftover"}
     parts = [f"{len(v)} {nouns[k]}{'s' if len(v) != 1 else ''} ({_size(sum(e.bytes for e in v))})"
              for k, v in by_kind.items() if v or k == "checkpoint"]
@@ -314,15 +325,18 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
         say("resume: latest would fail until the file system answers (an I/O error, not corruption)")
     elif checkpoints:
         say("[red]resume: latest refuses to start: no checkpoint verifies[/] (`--resume none` starts over "
-                      "and keeps them as abandoned-*; `--resume PATH` continues from a copy)")
+            "and keeps them as abandoned-*; `--resume PATH` continues from a copy)")
     else:
         say("resume: latest starts fresh (no step-* checkpoint)")
     if deleted:
         say(f"deleted {len(deleted)} abandoned director{'y' if len(deleted) == 1 else 'ies'}, "
-                      f"{_size(sum(e.bytes for e in deleted))} freed")
+            f"{_size(sum(e.bytes for e in deleted))} freed")
     elif by_kind["abandoned"] and not args.delete_abandoned:
         say("abandoned timelines are never deleted by a run; --delete-abandoned deletes them")
-    return 1 if refuses or unreadable else 0
+    for e, why in failed:
+        say(f"[red]could not delete {escape(e.name)}[/]: {escape(why)} (what is left is a .trash-* directory the next "
+            "save removes)")
+    return status
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
