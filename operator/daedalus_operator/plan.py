@@ -537,7 +537,8 @@ class _Builder:
                 self.set(planned_restarts=self.st.planned_restarts + 1)
             self.to(Phase.RUNNING, Reason.RESUBMITTED,
                     f"attempt {attempt} ({sid}) submitted, "
-                    + (f"resuming from the checkpoint at step {resume}" if latest else "from step 0 (no checkpoint yet)"))
+                    + (f"resuming from the checkpoint at step {resume}" if latest else
+                       "resuming from the newest checkpoint on the volume, if any (the status records none)"))
         else:
             self.to(Phase.RUNNING, Reason.SUBMITTED, f"attempt {attempt} ({sid}) submitted"
                     + (f", resuming from the checkpoint at step {resume}" if resume else ""))

@@ -193,9 +193,10 @@ def compute_status(
             observed.health.unscheduled[:2])
         silent = (now - cluster.created).total_seconds() if cluster.exists and cluster.created else 0.0
         if cluster.exists and not cluster.reported and not cluster.deleting and silent >= NO_KUBERAY_AFTER_SECONDS:
+            # No running count of seconds: the message must not change on every poll (a status patch each time)
             name = f"RayCluster {st.ray_cluster_name}" if st.ray_cluster_name else "the RayCluster"
-            said.insert(0, f"{name} has no status {silent:.0f} s after its creation: is the KubeRay operator "
-                        "running? (docs/deploy.md section 2)")
+            said.insert(0, f"{name} (created {format_time(cluster.created)}) has had no status for over "
+                        f"{NO_KUBERAY_AFTER_SECONDS:.0f} s: is the KubeRay operator running? (docs/deploy.md section 2)")
         detail = "; ".join(said)
     st.conditions = conditions(st.conditions, st, plan.phase, job.generation, now, error, detail)
     return st.model_dump(by_alias=True, mode="json", exclude_none=True)

@@ -23,7 +23,7 @@ def blocks(path: Path, lang: str) -> list[str]:
 def test_deploy_doc_manifests_are_valid() -> None:
     docs = [d for block in blocks(REPO / "docs" / "deploy.md", "yaml") for d in yaml.safe_load_all(block) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["PersistentVolume", "PersistentVolumeClaim", "Pod"], kinds
+    assert kinds == ["PersistentVolume", "PersistentVolumeClaim", "Pod", "Pod"], kinds  # fsx-prep, ckpt-list
     for doc in docs:
         for version in ("1.29.0", "1.35.0"):
             kubernetes_validate.validate(doc, version, strict=True)
@@ -31,6 +31,11 @@ def test_deploy_doc_manifests_are_valid() -> None:
     example = yaml.safe_load((REPO / "examples" / "hyperpod-qwen3vl-8b.yaml").read_text())
     assert claim["metadata"]["name"] == example["spec"]["checkpoint"]["volume"]
     assert claim["metadata"]["namespace"] == example["metadata"]["namespace"]
+    # the listing pod reads the example job's checkpoint root: <checkpoint.path>/<namespace>/<name>
+    listing = next(d for d in docs if d["metadata"]["name"] == "ckpt-list")["spec"]["containers"][0]["command"]
+    meta = example["metadata"]
+    assert listing == ["daedalus", "checkpoints",
+                       f"{example['spec']['checkpoint']['path']}/{meta['namespace']}/{meta['name']}"]
 
 
 def helm_commands(path: Path) -> list[list[str]]:

@@ -171,7 +171,7 @@ def test_a_tiny_job_without_an_sft_start_says_why_grpo_cannot_learn(tmp_path):
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
     assert "model.tiny without model.sftAdapter: GRPO starts from the tiny model's random weights" in log
-    assert log.count("as in every step so far: the policy does not write the action format") == 2, log[-3000:]
+    assert log.count("as in every step so far: the starting point does not write the action format") == 2, log[-3000:]
     assert "the action format has collapsed" not in log
     assert log.count("no learning signal from the rewards") == 1  # said once, at step 1
     assert "step 1: in every group all 2 episodes got the same reward (success 0%)" in log

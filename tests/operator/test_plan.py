@@ -1022,7 +1022,9 @@ def test_a_running_job_whose_invalid_spec_is_fixed_resumes_as_a_planned_restart(
 
 @pytest.mark.parametrize("latest,says", [
     ({"step": 12, "path": "/c/12"}, "resuming from the checkpoint at step 12"),
-    (None, "from step 0 (no checkpoint yet)"),  # it said "resuming from the checkpoint at step 0"
+    # it said "resuming from the checkpoint at step 0"; a job created again under its name can find checkpoints on
+    # the volume that its status does not know
+    (None, "resuming from the newest checkpoint on the volume, if any (the status records none)"),
 ])
 def test_the_resubmitted_event_says_where_the_attempt_starts(latest, says):
     st = running_status(phase="Recovering", recovery=RECOVERING, latestCheckpoint=latest)

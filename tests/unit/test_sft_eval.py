@@ -751,10 +751,15 @@ def test_daedalus_run_refuses_up_front_a_grpo_checkpoint_whose_sft_start_would_c
 
     _check_continuable(parse_job(job), loaded, run_dir)  # the same job: continues
     job["spec"]["sft"]["steps"] += 10
-    with pytest.raises(CheckpointError, match=r"it would train further, which would change GRPO's starting point. "
-                       r"To train GRPO again from the longer SFT, move the GRPO checkpoints aside \(mv "):
+    with pytest.raises(CheckpointError, match=r"it would train further; GRPO cannot continue on another starting "
+                       r"point. To train GRPO again from the longer SFT, move the GRPO checkpoints aside \(mv "):
         _check_continuable(parse_job(job), loaded, run_dir)
     job["spec"]["sft"]["steps"] -= 10
+    shutil.rmtree(run_dir / "sft")  # no SFT run here (a new run directory given --resume PATH): other advice
+    with pytest.raises(CheckpointError, match=r"holds no SFT run: it would be trained from the start; GRPO cannot "
+                       r"continue on another starting point. To train GRPO from a new SFT start, move"):
+        _check_continuable(parse_job(job), loaded, run_dir)
+    shutil.copytree(sft_start.parent, run_dir / "sft")
     job["spec"]["algorithm"]["seed"] = 5
     with pytest.raises(CheckpointError, match=r"other settings \(algorithm.seed: 0 there, 5 in this job\)"):
         _check_continuable(parse_job(job), loaded, run_dir)

@@ -744,17 +744,19 @@ class Trainer:
                     # that never had the format (a random or base model without SFT) gets other advice.
                     if all(h.get("parse_error_ratio", 0.0) >= FORMAT_COLLAPSE_RATIO for h in history):
                         log.warning("step %d: %.0f%% of replies could not be parsed, as in every step so far: the "
-                                    "policy does not write the action format (environment.actionFormat %r); start "
-                                    "GRPO from a supervised checkpoint (model.sftAdapter; `daedalus run` trains one "
-                                    "for a tiny model)", step, 100 * record["parse_error_ratio"],
-                                    self.job.spec.environment.action_format)
+                                    "starting point does not write the action format (environment.actionFormat %r); "
+                                    "start GRPO from a supervised checkpoint trained on that format (model.sftAdapter; "
+                                    "`daedalus run` trains one for a tiny model)", step,
+                                    100 * record["parse_error_ratio"], self.job.spec.environment.action_format)
                     else:
                         log.warning("step %d: %.0f%% of replies could not be parsed: the action format has collapsed; "
                                     "resume from an earlier checkpoint with a lower algorithm.learningRate or a "
                                     "klCoef > 0", step, 100 * record["parse_error_ratio"])
-                if record["zero_variance_groups"] == algo.mazes_per_step and not silent_said:
+                if (record["zero_variance_groups"] == algo.mazes_per_step and not algo.step_advantage_weight
+                        and not silent_said):
                     # GRPO's advantage is zero in a group whose episodes got equal rewards: a step where every group
-                    # is so has nothing to learn from (without a KL term, an adapter byte-identical to the last); said once per run.
+                    # is so has nothing to learn from (without a KL term, an adapter byte-identical to the last). Turn-
+                    # level advantages (stepAdvantageWeight > 0) still train such groups. Said once per process.
                     silent_said = True
                     log.warning("step %d: in every group all %d episodes got the same reward (success %.0f%%): no "
                                 "learning signal from the rewards; GRPO needs groups with both outcomes "

@@ -188,11 +188,15 @@ def _check_continuable(job: Any, loaded: LoadedCheckpoint, run_dir: Path) -> Non
         result, why = sft.reusable_result(job, run_dir / "sft")
         if result is None:
             checkpoints = run_dir / "checkpoints"
-            raise CheckpointError(
-                f"{loaded.path} continues GRPO from the SFT model as it was, and {why}, which would change GRPO's "
-                f"starting point. To train GRPO again from the longer SFT, move the GRPO checkpoints aside (mv "
-                f"{checkpoints} {checkpoints}.old) and run again; to continue GRPO, restore the sft settings; to "
-                "start everything over, --resume none")
+            aside = f"mv {checkpoints} {checkpoints}.old"
+            if "would train further" in why:  # sft.steps (or maxSeconds) raised since GRPO started
+                ways = (f"To train GRPO again from the longer SFT, move the GRPO checkpoints aside ({aside}) and run "
+                        "again; to continue GRPO, restore the sft settings; to start everything over, --resume none")
+            else:  # no SFT run here, another job's, or a damaged one
+                ways = (f"To train GRPO from a new SFT start, move the GRPO checkpoints aside ({aside}) and run again, "
+                        "or start everything over with --resume none")
+            raise CheckpointError(f"{loaded.path} continues GRPO from the SFT model it started from, but {why}; "
+                                  f"GRPO cannot continue on another starting point. {ways}")
         start_dir = str(result)
     check_same_run(saved, run_identity(job, start_dir), loaded.path)
 
@@ -380,7 +384,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                       f"{100 * gain['ci_high']:+.1f}] (the same {gain['episodes']} episodes before and after, "
                       f"bootstrap over {pairs}); {gain['fixed']} episodes fixed, {gain['broken']} broken")
     silent = [h["step"] for h in result.history if h.get("zero_variance_groups") == job.spec.algorithm.mazes_per_step]
-    if silent:
+    if silent and not job.spec.algorithm.step_advantage_weight:  # turn-level advantages learn from such groups too
         every = len(silent) == len(result.history)
         console.print(f"[yellow]{'every one' if every else len(silent)} of the {len(result.history)} GRPO steps had no "
                       "group whose episodes differed in reward: nothing to learn from"
