@@ -31,7 +31,8 @@ Reading: :func:`load_latest` verifies candidates newest first against their mani
 logging (``logging.warning``) which file was bad and why. Checkpoints the resumed run does not continue belong to
 an abandoned timeline (all of them with ``resume: none``; after an explicit older ``PATH`` or a corrupt one we fell
 back from, those of a later step): :meth:`CheckpointManager.abandon_other_timelines` renames them to
-``abandoned-step-NNNNNN-<utc>-<id>`` (never deletes them) before the run starts, and :meth:`CheckpointManager.save`
+``abandoned-step-NNNNNN-<utc>-<id>`` (never deletes them; :func:`delete_abandoned`, ``daedalus checkpoints
+--delete-abandoned``, does on request) before the run starts, and :meth:`CheckpointManager.save`
 does the same to any of the same or a higher step, so that ``resume: latest`` continues the run that is actually
 going on. Saving again the step ``latest`` names (the newest) replaces it.
 
