@@ -531,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "run with `--resume none` or an older PATH did not continue; runs never delete them) and "
                        "leftovers of an interrupted save. Reads only, unless --delete-abandoned; safe beside a "
                        "running trainer. Exit status 1 when checkpoints exist and none verifies (a resume would "
-                       "refuse) or one could not be read.")
+                       "refuse), one could not be read, or a deletion failed.")
     s.add_argument("root", help="checkpoint root, the run directory holding checkpoints/ (e.g. runs/local-tiny), or "
                    "one checkpoint in it (a job's status.latestCheckpoint.path)")
     s.add_argument("--no-verify", action="store_true",
