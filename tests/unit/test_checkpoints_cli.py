@@ -177,10 +177,29 @@ def test_cli_json_exit_status_matches_the_table(root_with_a_past: Path, capsys) 
 def test_cli_bad_paths_are_one_line_errors(tmp_path: Path, capsys) -> None:
     assert main(["checkpoints", str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'nowhere'}: no such directory")
-    (tmp_path / "f").write_text("x")
+    (tmp_path / "f").write_text("x")  # a file is read as a job YAML: this one is not
     assert main(["checkpoints", str(tmp_path / "f")]) == 2
-    assert "is a file" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'f'}")
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["checkpoints", str(empty)]) == 0
     assert "0 checkpoints (0 B)" in capsys.readouterr().out
+
+
+def test_cli_given_the_job_yaml_lists_that_run_s_checkpoints(root_with_a_past: Path, tmp_path: Path, capsys,
+                                                              wide) -> None:
+    """`daedalus checkpoints job.yaml [--runs-dir D]`: the checkpoints `daedalus run job.yaml --runs-dir D` keeps,
+    D/<metadata.name>/checkpoints."""
+    import yaml
+    from support.jobs import tiny_job_dict
+
+    job = tiny_job_dict()
+    job["metadata"]["name"] = "run"  # root_with_a_past is <tmp>/run/checkpoints
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    assert main(["checkpoints", str(job_file), "--runs-dir", str(root_with_a_past.parent.parent)]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoints under {root_with_a_past}" in out and "resume: latest starts from step-000002" in out
+    assert main(["checkpoints", str(job_file), "--runs-dir", str(tmp_path / "elsewhere")]) == 0  # not run there
+    assert capsys.readouterr().out == (f"{tmp_path / 'elsewhere' / 'run' / 'checkpoints'}: no checkpoints yet\n"
+                                       "resume: latest starts fresh (no step-* checkpoint)\n")

@@ -213,7 +213,7 @@ def _size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _checkpoint_root(given: str) -> Path:
+def _checkpoint_root(given: str, runs_dir: str = "runs") -> Path:
     """The checkpoint root ``daedalus checkpoints`` reads: ``given``; its ``checkpoints/`` when ``given`` is a run or
     job directory (``runs/<name>``, ``<checkpoint.path>/<namespace>/<name>``) holding one; its parent when ``given``
     is one checkpoint (holds MANIFEST.json: the job's ``status.latestCheckpoint.path``)."""
@@ -223,9 +223,13 @@ def _checkpoint_root(given: str) -> Path:
     if not path.exists():
         raise UsageError(f"{given}: no such directory (give a checkpoint root, e.g. runs/<name>/checkpoints, or "
                          "the run directory holding it)")
+    if path.is_file():  # a job file, as `daedalus run` takes it: that run's checkpoints
+        from daedalus_trainer.config import load_job
+
+        return Path(runs_dir) / load_job(given).metadata.name / "checkpoints"
     if not path.is_dir():
-        raise UsageError(f"{given} is a file; give a checkpoint root (runs/<name>/checkpoints) or the run directory "
-                         "holding it")
+        raise UsageError(f"{given} is not a directory or a job file; give a checkpoint root "
+                         "(runs/<name>/checkpoints), the run directory holding it, or the job's YAML")
     import re
 
     # one checkpoint (status.latestCheckpoint.path), however damaged: the root holding it
@@ -248,7 +252,10 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
 
     from daedalus_trainer.checkpoint import delete_abandoned, inspect_root
 
-    root = _checkpoint_root(args.root)
+    root = _checkpoint_root(args.root, args.runs_dir)
+    if Path(args.root).is_file() and not root.exists():  # a job that has not run here yet
+        print(f"{root}: no checkpoints yet\nresume: latest starts fresh (no step-* checkpoint)")
+        return 0
     entries = inspect_root(root, verify=not args.no_verify)
     deleted, failed = delete_abandoned(root) if args.delete_abandoned else ([], [])
     gone = {e.name for e in deleted}
@@ -532,8 +539,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "leftovers of an interrupted save. Reads only, unless --delete-abandoned; safe beside a "
                        "running trainer. Exit status 1 when checkpoints exist and none verifies (a resume would "
                        "refuse), one could not be read, or a deletion failed.")
-    s.add_argument("root", help="checkpoint root, the run directory holding checkpoints/ (e.g. runs/local-tiny), or "
-                   "one checkpoint in it (a job's status.latestCheckpoint.path)")
+    s.add_argument("root", help="checkpoint root, the run directory holding checkpoints/ (e.g. runs/local-tiny), "
+                   "one checkpoint in it (a job's status.latestCheckpoint.path), or a job YAML as `daedalus run` takes "
+                   "it (its RUNS_DIR/<name>/checkpoints)")
+    s.add_argument("--runs-dir", default="runs", help="with a job YAML: the --runs-dir its `daedalus run` used "
+                   "(default: ./runs)")
     s.add_argument("--no-verify", action="store_true",
                    help="skip the sha256 verification (reads every byte of every checkpoint)")
     s.add_argument("--delete-abandoned", action="store_true",
