@@ -715,17 +715,19 @@ def test_reusable_result_says_whether_a_run_would_train_sft_again(sft_start, tmp
     from daedalus_trainer.config import parse_job
 
     job = tiny_job_dict()
-    assert sft.reusable_result(parse_job(job), sft_start.parent) == (sft_start, "")
+    assert sft.reusable_result(parse_job(job), sft_start.parent) == (sft_start, "", sft.Retrain.NO)
     steps = job["spec"]["sft"]["steps"]
     job["spec"]["sft"]["steps"] = steps + 10
-    result, why = sft.reusable_result(parse_job(job), sft_start.parent)
+    result, why, cause = sft.reusable_result(parse_job(job), sft_start.parent)
     assert result is None and f"stopped at step {steps}" in why and f"with sft.steps {steps + 10}" in why
+    assert cause is sft.Retrain.BUDGET_RAISED
     job["spec"]["sft"]["steps"] = steps
     job["spec"]["sft"]["seed"] = 99  # another run's settings: run_sft would refuse to reuse it
-    result, why = sft.reusable_result(parse_job(job), sft_start.parent)
+    result, why, cause = sft.reusable_result(parse_job(job), sft_start.parent)
     assert result is None and "holds an SFT run started with other settings (sft.seed" in why
+    assert cause is sft.Retrain.OTHER_RUN
     assert sft.reusable_result(parse_job(tiny_job_dict()), tmp_path) == (
-        None, f"{tmp_path} holds no SFT run: it would be trained from the start")
+        None, f"{tmp_path} holds no SFT run: it would be trained from the start", sft.Retrain.NO_RUN)
 
 
 def test_daedalus_run_refuses_up_front_a_grpo_checkpoint_whose_sft_start_would_change(sft_start, tmp_path):

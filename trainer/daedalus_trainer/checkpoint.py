@@ -960,6 +960,12 @@ def resolve_resume(resume: str, root: str | os.PathLike[str]) -> LoadedCheckpoin
 _ABANDONED_DIR = re.compile(r"^abandoned-step-(\d{6,})-")
 
 
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` names a checkpoint directory: ``step-NNNNNN`` or ``abandoned-step-NNNNNN-<utc>-<id>``
+    (not the ``.tmp-*`` / ``.trash-*`` of a save or deletion in progress)."""
+    return _step_of(name) is not None or _ABANDONED_DIR.match(name) is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class RootEntry:
     """One directory under a checkpoint root, as :func:`inspect_root` found it.
@@ -991,6 +997,8 @@ class RootEntry:
 
 
 def _tree_bytes(path: Path) -> int:
+    """The bytes on disk under ``path`` (``st_size`` of every file, stray ones included: what deleting it frees).
+    A stat per file, no reads; the manifest's sizes would leave out files it does not list."""
     total = 0
     for p in path.rglob("*"):
         try:

@@ -230,13 +230,12 @@ def _checkpoint_root(given: str, runs_dir: str = "runs") -> Path:
     if not path.is_dir():
         raise UsageError(f"{given} is not a directory or a job file; give a checkpoint root "
                          "(runs/<name>/checkpoints), the run directory holding it, or the job's YAML")
-    import re
+    from daedalus_trainer.checkpoint import is_checkpoint_name
 
     # one checkpoint (status.latestCheckpoint.path), however damaged: the root holding it
-    if (path / "MANIFEST.json").is_file() or re.match(r"^(abandoned-)?step-\d{6,}", path.name):
+    if (path / "MANIFEST.json").is_file() or is_checkpoint_name(path.name):
         return path.parent
-    if (path / "checkpoints").is_dir() and not any(e.name.startswith(("step-", "abandoned-step-"))
-                                                   for e in path.iterdir()):
+    if (path / "checkpoints").is_dir() and not any(is_checkpoint_name(e.name) for e in path.iterdir()):
         return path / "checkpoints"
     return path
 

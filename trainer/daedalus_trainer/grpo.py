@@ -715,6 +715,8 @@ class Trainer:
         self.control.set_status(phase="training", step=step)
         stopped = False
         silent_said = False
+        # every step so far (the resumed history's too) had the format collapse ratio: the start never wrote it
+        never_formatted = all(h.get("parse_error_ratio", 0.0) >= FORMAT_COLLAPSE_RATIO for h in history)
         try:
             while step < algo.steps:
                 if self.control.stop_requested():
@@ -738,11 +740,12 @@ class Trainer:
                 step += 1
                 record = _step_record(step, trajectories, update, rollout_seconds)
                 history.append(record)
+                never_formatted = never_formatted and record["parse_error_ratio"] >= FORMAT_COLLAPSE_RATIO
                 if record["parse_error_ratio"] >= FORMAT_COLLAPSE_RATIO:
                     # Measured on the tiny model: lr 3e-3 took parse errors from 0% to 99.7% in two steps; once every
                     # reply is unparseable every group has equal rewards and GRPO cannot recover on its own. A policy
                     # that never had the format (a random or base model without SFT) gets other advice.
-                    if all(h.get("parse_error_ratio", 0.0) >= FORMAT_COLLAPSE_RATIO for h in history):
+                    if never_formatted:
                         log.warning("step %d: %.0f%% of replies could not be parsed, as in every step so far: the "
                                     "starting point does not write the action format (environment.actionFormat %r); "
                                     "start GRPO from a supervised checkpoint trained on that format (model.sftAdapter; "

@@ -185,14 +185,14 @@ def _check_continuable(job: Any, loaded: LoadedCheckpoint, run_dir: Path) -> Non
     saved = loaded.trainer_state.extra.get("identity")
     start_dir: str | None = job.spec.model.sft_adapter
     if not start_dir:
-        result, why = sft.reusable_result(job, run_dir / "sft")
+        result, why, cause = sft.reusable_result(job, run_dir / "sft")
         if result is None:
             checkpoints = run_dir / "checkpoints"
             aside = f"mv {checkpoints} {checkpoints}.old"
-            if "would train further" in why:  # sft.steps (or maxSeconds) raised since GRPO started
+            if cause is sft.Retrain.BUDGET_RAISED:  # sft.steps (or maxSeconds) raised since GRPO started
                 ways = (f"To train GRPO again from the longer SFT, move the GRPO checkpoints aside ({aside}) and run "
                         "again; to continue GRPO, restore the sft settings; to start everything over, --resume none")
-            else:  # no SFT run here, another job's, or a damaged one
+            else:  # no SFT run here, an unfinished one, another job's, or a damaged one
                 ways = (f"To train GRPO from a new SFT start, move the GRPO checkpoints aside ({aside}) and run again, "
                         "or start everything over with --resume none")
             raise CheckpointError(f"{loaded.path} continues GRPO from the SFT model it started from, but {why}; "

@@ -50,8 +50,9 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -510,31 +511,52 @@ def check_same_run(ckpt: Path, job: Any, state: SFTState | None = None) -> None:
             "the job another metadata.name")
 
 
-def reusable_result(job: Any, out_dir: str | Path) -> tuple[Path | None, str]:
-    """What :func:`run_sft` with ``resume`` would do in ``out_dir``, found without loading a model: ``(result,
-    why)``, ``result`` the model or adapter directory it would hand back as it is (finished, its ``sft.steps`` /
-    ``sft.maxSeconds`` budget spent, started with ``job``'s settings), else ``None`` and ``why`` it would train
-    (no SFT run yet, a budget raised since, an unfinished run, other settings, an unreadable checkpoint).
+class Retrain(Enum):
+    """Why :func:`run_sft` would train instead of handing back its result as it is (:func:`reusable_result`)."""
+
+    NO = "no"  #: it would not: the finished run is reused
+    NO_RUN = "no SFT run"  #: the directory holds no SFT run
+    BUDGET_RAISED = "budget raised"  #: finished, but sft.steps / sft.maxSeconds were raised since
+    UNFINISHED = "unfinished"  #: stopped before its budget was spent
+    OTHER_RUN = "other run"  #: started with other settings, or its checkpoint cannot be read
+
+
+class SFTReuse(NamedTuple):
+    """:func:`reusable_result`'s answer: ``result`` (the directory handed back, or ``None``), ``why`` it would train
+    (a sentence; ``""`` when it would not) and the ``cause`` as a :class:`Retrain`."""
+
+    result: Path | None
+    why: str
+    cause: Retrain
+
+
+def reusable_result(job: Any, out_dir: str | Path) -> SFTReuse:
+    """What :func:`run_sft` with ``resume`` would do in ``out_dir``, found without loading a model: ``result`` the
+    model or adapter directory it would hand back as it is (finished, its ``sft.steps`` / ``sft.maxSeconds`` budget
+    spent, started with ``job``'s settings), else ``None``, ``why`` it would train and its ``cause`` (no SFT run yet,
+    a budget raised since, an unfinished run, other settings or an unreadable checkpoint).
     ``daedalus run`` asks before it continues GRPO checkpoints, whose starting point must stay as it was."""
     from daedalus_trainer.checkpoint import CheckpointError
 
     out_dir = Path(out_dir)
     ckpt = _find_checkpoint(out_dir)
     if ckpt is None:
-        return None, f"{out_dir} holds no SFT run: it would be trained from the start"
+        return SFTReuse(None, f"{out_dir} holds no SFT run: it would be trained from the start", Retrain.NO_RUN)
     try:
         saved = _read_state(ckpt)
         check_same_run(ckpt, job, saved)
     except CheckpointError as exc:
-        return None, str(exc)
+        return SFTReuse(None, str(exc), Retrain.OTHER_RUN)
     result = finished_result(out_dir, saved.step)
     max_steps, max_seconds = int(job.spec.sft.steps), float(job.spec.sft.max_seconds)
     if result is None:
-        return None, f"the SFT run in {out_dir} is unfinished (step {saved.step}): it would train on"
+        return SFTReuse(None, f"the SFT run in {out_dir} is unfinished (step {saved.step}): it would train on",
+                        Retrain.UNFINISHED)
     if not (saved.step >= max_steps or (max_seconds > 0 and saved.seconds >= max_seconds)):
-        return None, (f"the SFT run in {out_dir} stopped at step {saved.step} ({saved.seconds:.0f} s); with sft.steps "
-                      f"{max_steps} and sft.maxSeconds {max_seconds:g} it would train further")
-    return result, ""
+        return SFTReuse(None, (f"the SFT run in {out_dir} stopped at step {saved.step} ({saved.seconds:.0f} s); with "
+                               f"sft.steps {max_steps} and sft.maxSeconds {max_seconds:g} it would train further"),
+                        Retrain.BUDGET_RAISED)
+    return SFTReuse(result, "", Retrain.NO)
 
 
 def _damaged(ckpt: Path, file: str, exc: BaseException) -> Exception:
