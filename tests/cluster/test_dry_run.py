@@ -142,6 +142,8 @@ def test_example_passes_server_side_dry_run_unpruned_and_defaulted(kube, namespa
     ("lora__targetModules", ["q_proj", "q_projj"], "spec.lora.targetModules"),
     ("cluster__head__cpu", "-2", "spec.cluster.head.cpu"),
     ("cluster__head__memory", "0", "spec.cluster.head.memory"),
+    ("cluster__head__cpu", 0, "spec.cluster.head.cpu"),  # a whole number must be > 0 too (minimum: 1)
+    ("cluster__head__cpu", 0.5, "spec.cluster.head.cpu"),  # a fraction must be quoted ("0.5", "500m")
 ])
 def test_dry_run_refuses_a_schema_violation(kube, namespace, dotted: str, value: Any, field: str):
     """The control: the dry run validates (a broken example would fail the test above with the server's reason)."""
@@ -149,6 +151,17 @@ def test_dry_run_refuses_a_schema_violation(kube, namespace, dotted: str, value:
         dry_run(kube, example("local-tiny.yaml", namespace, **{dotted: value}))
     assert err.value.status == 422
     assert field in refusal(err.value)
+
+
+def test_an_unquoted_whole_number_quantity_is_stored_and_built_as_a_quantity(kube, namespace):
+    """`cpu: 6` (no quotes) is accepted as IntOrString, kept as the number, and the operator's RayCluster asks for
+    the quantity "6", which the server takes."""
+    answer = dry_run(kube, example("local-tiny.yaml", namespace, cluster__head__cpu=6))
+    assert answer["spec"]["cluster"]["head"]["cpu"] == 6
+    raycluster = resources.build_raycluster(job_view(answer), SETTINGS)
+    head = raycluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]
+    assert head["requests"]["cpu"] == head["limits"]["cpu"] == "6"
+    dry_run(kube, raycluster)
 
 
 @pytest.mark.parametrize("file", EXAMPLES)

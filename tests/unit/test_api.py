@@ -79,15 +79,24 @@ def _walk(node, path=""):
 
 
 def test_schema_is_structural(schema):
-    """No JSON-schema constructs that a structural schema forbids; every property has a type and a description."""
+    """No JSON-schema constructs that a structural schema forbids; every property has a type and a description. The
+    one exception apiextensions allows: `x-kubernetes-int-or-string` with `anyOf: [integer, string]` and no type
+    (the pod quantities)."""
+    int_or_string = []
     for path, node in _walk(schema):
         if isinstance(node, dict):
-            assert "$ref" not in node and "anyOf" not in node and "const" not in node, path
+            if node.get("x-kubernetes-int-or-string"):
+                assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}] and "type" not in node, path
+                int_or_string.append(path.rsplit("/", 1)[-1])
+            else:
+                assert "anyOf" not in node, path
+            assert "$ref" not in node and "const" not in node, path
             if path.endswith(("/properties/spec", "/properties/status")) or "/properties/spec/properties/" in path:
                 if "/properties/" in path and not path.endswith("/items") and "x-kubernetes-validations" not in path:
                     if path.split("/")[-2] == "properties":
-                        assert "type" in node, f"{path} has no type"
+                        assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} has no type"
                         assert node.get("description"), f"{path} has no description"
+    assert int_or_string == ["cpu", "memory", "cpu", "memory", "shmSize"]  # head, then the worker group
 
 
 def test_defaults_match_pydantic(schema):
@@ -183,21 +192,31 @@ def test_invalid_specs_rejected_with_field_path(schema, dotted, value, path, fra
 
 
 def test_quantities_must_be_positive_in_both_validators(schema):
-    """Pod resources: the CRD's pattern and the Python validator accept and refuse the same quantities."""
+    """Pod resources: the CRD's pattern and the Python validator accept and refuse the same quantities. An unquoted
+    whole number is a quantity too (IntOrString, as in pod resources and KubeRay's CRD): `cpu: 8` is "8"."""
     for value, ok in [("500m", True), ("0.5", True), (".5", True), ("1e3", True), ("+2", True), ("16Gi", True),
-                      ("0", False), ("-2", False), ("0m", False), ("00.000", False), ("-1Gi", False)]:
+                      ("0", False), ("-2", False), ("0m", False), ("00.000", False), ("-1Gi", False),
+                      (8, True), (0, False), (-2, False)]:
         groups = copy.deepcopy(_local()["spec"]["cluster"]["workerGroups"])
         groups[0]["shmSize"] = value
         obj = _set(_local(), "spec.cluster.workerGroups", groups)
         defaulted = crd.apply_defaults(schema, obj)
         assert (not _invalid_reasons(schema, defaulted)) is ok, value
         if ok:
-            c.parse_job(obj)
+            assert c.parse_job(obj).spec.cluster.worker_groups[0].shm_size == str(value)
             continue
         with pytest.raises(c.SpecError) as info:
             c.parse_job(obj)
         assert info.value.errors == [("spec.cluster.workerGroups[0].shmSize",
-                                      f"must be a quantity greater than zero (a Ray pod's resources); got {value!r}")]
+                                      f"must be a quantity greater than zero (a Ray pod's resources); "
+                                      f"got {str(value)!r}")]
+    # a fraction or a boolean unquoted is neither an integer nor a string: both refuse it
+    for value, said in [(0.5, "(got the number 0.5: quote it)"), (True, "(got the boolean true: quote it")]:
+        obj = _set(_local(), "spec.cluster.head.cpu", value)
+        assert _invalid_reasons(schema, crd.apply_defaults(schema, obj)), value
+        with pytest.raises(c.SpecError) as info:
+            c.parse_job(obj)
+        assert [p for p, _ in info.value.errors] == ["spec.cluster.head.cpu"] and said in info.value.errors[0][1]
 
 
 def test_every_language_model_projection_is_a_target(schema):

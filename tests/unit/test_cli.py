@@ -342,7 +342,7 @@ def test_manifests_are_read_as_the_api_server_reads_them():
         (("model", "tiny", "true"), "spec.model.tiny", "unquote it"),
         (("algorithm", "group_size", 8), "spec.algorithm.group_size", "the API spells it 'groupSize' (camelCase)"),
         (("cluster", "head", {"cpu": "2", "memory": "lots"}), "spec.cluster.head.memory", "Kubernetes quantity"),
-        (("cluster", "head", {"cpu": 2, "memory": "4Gi"}), "spec.cluster.head.cpu", "quote it"),
+        (("cluster", "head", {"cpu": 0.5, "memory": "4Gi"}), "spec.cluster.head.cpu", "quote it"),
     ]
     for (section, key, value), path, fragment in cases:
         job = tiny_job_dict()

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
+                      model_validator)
 from pydantic.alias_generators import to_camel
 
 GROUP = "daedalus.dev"
@@ -338,6 +339,23 @@ QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numk
 #: CRD keeps working without the CEL quantity library.
 POSITIVE_QUANTITY_PATTERN = (r"^\+?(([0-9]*[1-9][0-9]*(\.[0-9]*)?)|([0-9]*\.[0-9]*[1-9][0-9]*))(([KMGTPE]i)|"
                              r"[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+
+
+def _whole_number_quantity(value: Any) -> Any:
+    """An unquoted whole number (``cpu: 8``) as the quantity ``"8"``: Kubernetes reads resource quantities as
+    IntOrString (core/v1 ResourceList; KubeRay's CRD marks them ``x-kubernetes-int-or-string``), so ``kubectl apply``
+    takes both spellings. Booleans and fractions are left to the string check (``0.5`` must be quoted, or ``500m``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+#: A positive resource quantity of a Ray pod: a string matching :data:`POSITIVE_QUANTITY_PATTERN`, or a whole number
+#: greater than zero (read as its decimal string). In the CRD: ``x-kubernetes-int-or-string`` with the pattern for
+#: strings and ``minimum: 1`` for integers (:mod:`daedalus_trainer.crd`).
+PositiveQuantity = Annotated[
+    str, Field(pattern=POSITIVE_QUANTITY_PATTERN, json_schema_extra={"x-kubernetes-int-or-string": True}),
+    BeforeValidator(_whole_number_quantity)]
 #: A Kubernetes object name that must be a DNS label (RFC 1123), as a worker group name or a namespace.
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 #: A job's `metadata.name`: a DNS label that starts with a letter (RFC 1035), because it begins the names of the job's
@@ -353,10 +371,10 @@ JOB_NAME_MESSAGE = ("metadata.name must start with a lowercase letter: it begins
 class HeadSpec(_Model):
     """Ray head group: the driver, the trainer's HTTP endpoint; no GPUs and `num-cpus: 0` (no tasks scheduled)."""
 
-    cpu: str = Field("4", pattern=POSITIVE_QUANTITY_PATTERN)
-    """CPU request and limit of the head pod (a positive quantity string: "4", "500m")."""
-    memory: str = Field("16Gi", pattern=POSITIVE_QUANTITY_PATTERN)
-    """Memory request and limit of the head pod (a positive quantity string: "16Gi")."""
+    cpu: PositiveQuantity = "4"
+    """CPU request and limit of the head pod (a positive quantity: 4, "4", "500m")."""
+    memory: PositiveQuantity = "16Gi"
+    """Memory request and limit of the head pod (a positive quantity: "16Gi")."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node selector labels of the head pod (also the serving RayService's head), e.g. a CPU node group's."""
     tolerations: list[Toleration] = Field(default_factory=list)
@@ -373,12 +391,12 @@ class WorkerGroupSpec(_Model):
     """Number of worker pods."""
     gpus_per_worker: int = Field(8, ge=0, le=16, strict=True)
     """`nvidia.com/gpu` per worker pod."""
-    cpu: str = Field("32", pattern=POSITIVE_QUANTITY_PATTERN)
-    """CPU request and limit per worker pod (a positive quantity string: "32", "500m")."""
-    memory: str = Field("256Gi", pattern=POSITIVE_QUANTITY_PATTERN)
-    """Memory request and limit per worker pod (a positive quantity string: "256Gi")."""
-    shm_size: str = Field("64Gi", pattern=POSITIVE_QUANTITY_PATTERN)
-    """Size of the in-memory `/dev/shm` volume (NCCL, Ray object store; a positive quantity string: "64Gi")."""
+    cpu: PositiveQuantity = "32"
+    """CPU request and limit per worker pod (a positive quantity: 32, "32", "500m")."""
+    memory: PositiveQuantity = "256Gi"
+    """Memory request and limit per worker pod (a positive quantity: "256Gi")."""
+    shm_size: PositiveQuantity = "64Gi"
+    """Size of the in-memory `/dev/shm` volume (NCCL, Ray object store; a positive quantity: "64Gi")."""
     instance_type: str | None = None
     """Pin to an instance type (label `node.kubernetes.io/instance-type`), e.g. ml.p5.48xlarge."""
     node_selector: dict[str, str] = Field(default_factory=dict)

@@ -72,6 +72,13 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
         del out["default"]  # a null default would be written into every object
     if out.get("type") == "object" and "properties" in out:
         out.pop("additionalProperties", None)
+    if out.get("x-kubernetes-int-or-string"):
+        # A quantity (config.PositiveQuantity): the structural form of IntOrString (apiextensions: the one anyOf with
+        # types allowed). The pattern checks strings only, so whole numbers get their own bound (> 0).
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+        if out.get("pattern") == c.POSITIVE_QUANTITY_PATTERN:
+            out["minimum"] = 1
     return out
 
 
@@ -191,7 +198,7 @@ def crd() -> dict[str, Any]:
     }
 
 
-_KEY_ORDER = ["description", "type", "nullable", "enum", "default", "minimum", "exclusiveMinimum", "maximum",
+_KEY_ORDER = ["description", "type", "anyOf", "x-kubernetes-int-or-string", "nullable", "enum", "default", "minimum", "exclusiveMinimum", "maximum",
               "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "items", "required",
               "properties", "additionalProperties", "x-kubernetes-validations"]
 
