@@ -393,9 +393,10 @@ def test_a_full_job_succeeds_through_a_hyperpod_node_replacement(ray_head, opera
     pods = admin.list("v1/pods", namespace, selector=f"{api.JOB_LABEL}=local-tiny")
     assert {p["spec"]["nodeName"] for p in pods} == {node_a}
     fake.set_node_health(node_a, api.NodeHealthStatus.PENDING_REPLACEMENT.value)
-    moved = wait_for(lambda: (lambda ps: ps if ps and all(p["spec"].get("nodeName") == node_b for p in ps) else None)(
-        admin.list("v1/pods", namespace, selector=f"{api.JOB_LABEL}=local-tiny")), timeout=90,
-        message="the pods to move to the replacement node")
+    # both recreated (fake KubeRay makes one pod at a time: a list between the two shows only the first)
+    moved = wait_for(lambda: (lambda ps: ps if len(ps) >= 2 and all(p["spec"].get("nodeName") == node_b for p in ps)
+                              else None)(admin.list("v1/pods", namespace, selector=f"{api.JOB_LABEL}=local-tiny")),
+                     timeout=90, message="the head and worker pods to move to the replacement node")
     assert len(moved) == 2  # head and one worker, recreated by (fake) KubeRay after the operator deleted them
     st = jobs.wait_phase("local-tiny", "Succeeded", timeout=90)
     assert st["attempt"] == 2 and st["restarts"] == 1
