@@ -114,57 +114,75 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     assert (run_dir / "eval-before.json").read_bytes() == before_file
 
 
-@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, 130, r"interrupted \(Ctrl-C\)"),
-                                                 (signal.SIGTERM, 143, r"stopped \(SIGTERM\)")], ids=["ctrl-c", "sigterm"])
-def test_a_signal_during_grpo_checkpoints_the_step_and_the_rerun_resumes_there(sft_start, tmp_path, signum, code,
-                                                                               said):
-    """Ctrl-C as a terminal sends it (SIGINT to the whole process group), or SIGTERM to the process (kill,
-    timeout), during GRPO: the step in progress ends, its checkpoint is written although no periodic one is due
-    (intervalSteps 100), the command exits 130 / 143 saying so, and the same command resumes from that step and
-    finishes. Before, the interrupt lost every step since the last periodic checkpoint (here: all of them)."""
+def _interrupted(job_file, runs, signum: int, after: str) -> tuple[int, str]:
+    """`daedalus run` in its own process group, sent ``signum`` once a line containing ``after`` is printed: SIGINT
+    as Ctrl-C in a terminal sends it (to the whole foreground group), SIGTERM as kill, timeout or a container stop do
+    (to the process). Returns ``(exit code, output)``."""
     import threading
 
-    job = tiny_job_dict(model={"sftAdapter": str(sft_start)}, environment={"evalMazes": 4},
-                        algorithm={"steps": 8, "mazesPerStep": 2, "groupSize": 2}, checkpoint={"intervalSteps": 100})
-    job["metadata"]["name"] = "ctrl-c"
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job))
-    runs = tmp_path / "runs"
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", TERM="dumb", PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "daedalus_trainer", "run", str(job_file), "--runs-dir", str(runs), "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     lines: list[str] = []
-    first_step = threading.Event()
+    seen = threading.Event()
 
     def read() -> None:
         for line in proc.stdout:
             lines.append(line)
-            if "GRPO step 1/8" in line:
-                first_step.set()
+            if after in line:
+                seen.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        assert first_step.wait(600), "".join(lines)[-3000:]
+        assert seen.wait(600), "".join(lines)[-3000:]
         if signum == signal.SIGINT:
-            os.killpg(proc.pid, signum)  # what Ctrl-C in a terminal does: the whole foreground group
+            os.killpg(proc.pid, signum)
         else:
-            proc.send_signal(signum)  # what kill, timeout or a container stop do: the process
-        assert proc.wait(300) == code, "".join(lines)[-3000:]
+            proc.send_signal(signum)
+        code = proc.wait(300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     reader.join(10)
-    out = "".join(lines)
-    m = re.search(said + r": checkpoint at step (\d+); run the same command again to resume", out)
+    return code, "".join(lines)
+
+
+def test_ctrl_c_then_sigterm_during_grpo_checkpoint_the_step_and_each_rerun_resumes_there(sft_start, tmp_path):
+    """Ctrl-C during GRPO, then SIGTERM during the rerun: each time the step in progress ends, its checkpoint is
+    written although no periodic one is due (intervalSteps 100), the command exits 130 / 143 saying so, and the same
+    command resumes from that step; the third run finishes. Before, an interrupt lost every step since the last
+    periodic checkpoint (here: all of them). One job for both signals: each `daedalus run` costs a Ray start, its
+    actors and an evaluation."""
+    job = tiny_job_dict(model={"sftAdapter": str(sft_start)}, environment={"evalMazes": 4},
+                        algorithm={"steps": 8, "mazesPerStep": 2, "groupSize": 2}, checkpoint={"intervalSteps": 100})
+    job["metadata"]["name"] = "ctrl-c"
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    runs = tmp_path / "runs"
+    checkpoints = runs / "ctrl-c" / "checkpoints"
+
+    code, out = _interrupted(job_file, runs, signal.SIGINT, "GRPO step 1/8")
+    assert code == 130, out[-3000:]
+    m = re.search(r"interrupted \(Ctrl-C\): checkpoint at step (\d+); run the same command again to resume", out)
+    assert m, out[-3000:]
+    first_stop = int(m.group(1))
+    assert 1 <= first_stop < 7, out[-3000:]
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == [f"step-{first_stop:06d}"]
+    assert not (runs / "ctrl-c" / "exports").exists()
+
+    code, out = _interrupted(job_file, runs, signal.SIGTERM, f"GRPO step {first_stop + 1}/8")
+    assert code == 143, out[-3000:]
+    assert f"resumed from the checkpoint at step {first_stop}" in out
+    m = re.search(r"stopped \(SIGTERM\): checkpoint at step (\d+); run the same command again to resume", out)
     assert m, out[-3000:]
     stopped_at = int(m.group(1))
-    assert 1 <= stopped_at < 8, out[-3000:]
-    checkpoints = runs / "ctrl-c" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == [f"step-{stopped_at:06d}"]
+    assert first_stop < stopped_at < 8, out[-3000:]
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == [
+        f"step-{first_stop:06d}", f"step-{stopped_at:06d}"]
     assert not (runs / "ctrl-c" / "exports").exists()
 
     again = _run(job_file, runs)

@@ -2,7 +2,8 @@
 
 Scrapes /metrics while training and checks every metric of the table is exported and the training ones move;
 `POST /checkpoint` is 401 without (or with a wrong) token and, with it, returns a checkpoint written at the next
-step boundary.
+step boundary; SIGTERM ends the step in progress with a checkpoint. One trainer process does all of it: starting one
+(a local Ray, the learner and rollout actors) costs more than its steps.
 """
 
 from __future__ import annotations
@@ -78,11 +79,18 @@ def _status(base: str) -> dict | None:
         return None
 
 
-def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
+def test_metrics_move_checkpoint_on_request_and_sigterm_ends_the_step(sft_start, tmp_path):
+    """One trainer process (its start-up is most of the cost): /metrics move while it trains, `POST /checkpoint` is
+    401 without the token and answered at the next step boundary with it; then `kill -TERM` (ray job stop, a
+    container stop): the step in progress ends, its checkpoint is written although the interval is far off, and the
+    process exits 0 as after POST /stop, exporting nothing (stopped, not finished)."""
+    import signal
+
     # klCoef > 0: the learner runs the reference forward, so daedalus_train_kl is a real value.
-    job = tiny_job_dict(algorithm={"steps": 8, "evalIntervalSteps": 2, "klCoef": 0.01},
+    job = tiny_job_dict(algorithm={"steps": 40, "evalIntervalSteps": 2, "klCoef": 0.01},
                         checkpoint={"intervalSteps": 100})
-    log = open(tmp_path / "trainer.log", "w")
+    log_path = tmp_path / "trainer.log"
+    log = open(log_path, "w")
     proc, base = _start_trainer(job, sft_start, tmp_path, log)
     try:
         _wait(lambda: (_status(base) or {}).get("step", 0) >= 1, 300, "the first step", proc)
@@ -101,12 +109,19 @@ def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
         assert (Path(ck["path"]) / "MANIFEST.json").is_file()
         assert _status(base)["latestCheckpoint"]["step"] == ck["step"]
 
-        _wait(lambda: (_status(base) or {}).get("step", 0) >= ck["step"] + 2, 300, "two more steps", proc)
+        # past an evaluation (every 2 steps), so the eval gauge has a value
+        _wait(lambda: (_status(base) or {}).get("step", 0) >= max(ck["step"] + 2, 3), 300, "two more steps", proc)
         second = _samples(requests.get(f"{base}/metrics", timeout=5).text)
+        sigterm_after = _status(base)["step"]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
     finally:
-        proc.wait(timeout=600)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
         log.close()
-    assert proc.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+    text = log_path.read_text()
+    assert proc.returncode == 0, text[-3000:]
 
     # Every metric in the table is exported with the job's labels.
     exported = {name.removesuffix("_total").removesuffix("_count") for name in second}
@@ -122,33 +137,11 @@ def test_metrics_move_and_checkpoint_on_request(sft_start, tmp_path):
     for name in ("daedalus_train_success_ratio", "daedalus_train_reward_mean", "daedalus_train_episode_turns",
                  "daedalus_train_grad_norm", "daedalus_train_loss", "daedalus_train_kl"):
         assert math.isfinite(second[name]), name
-    assert (tmp_path / "run" / "exports" / "adapter" / "adapter_config.json").is_file()
 
-
-def test_sigterm_checkpoints_the_step_in_progress_and_exits_0(sft_start, tmp_path):
-    """`kill -TERM` of a running `daedalus train` (ray job stop, a container stop): the step in progress ends, its
-    checkpoint is written although the interval is far off, and the process exits 0 as after POST /stop."""
-    import signal
-
-    job = tiny_job_dict(algorithm={"steps": 40}, checkpoint={"intervalSteps": 100})
-    log_path = tmp_path / "trainer.log"
-    with open(log_path, "w") as log:
-        proc, base = _start_trainer(job, sft_start, tmp_path, log)
-        try:
-            def step():
-                return (_status(base) or {}).get("step", 0)
-
-            _wait(lambda: step() >= 2, 300, "two steps", proc)
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    text = log_path.read_text()
-    assert proc.returncode == 0, text[-3000:]
+    # SIGTERM: the step in progress ended and was checkpointed (no interval checkpoint before step 100)
     assert "SIGTERM: the step in progress ends" in text and "training stopped at step" in text, text[-3000:]
     saved = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
-    assert saved and int(saved[-1].name.split("-")[1]) >= 2, saved  # no interval checkpoint before step 100
+    assert saved and int(saved[-1].name.split("-")[1]) >= sigterm_after > ck["step"], (saved, sigterm_after)
     assert (saved[-1] / "MANIFEST.json").is_file()
     assert not (tmp_path / "run" / "exports" / "adapter").exists()  # stopped, not finished
 
