@@ -198,8 +198,8 @@ def crd() -> dict[str, Any]:
     }
 
 
-_KEY_ORDER = ["description", "type", "anyOf", "x-kubernetes-int-or-string", "nullable", "enum", "default", "minimum", "exclusiveMinimum", "maximum",
-              "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "items", "required",
+_KEY_ORDER = ["description", "type", "anyOf", "x-kubernetes-int-or-string", "nullable", "enum", "default", "minimum",
+              "exclusiveMinimum", "maximum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "items", "required",
               "properties", "additionalProperties", "x-kubernetes-validations"]
 
 
