@@ -352,9 +352,9 @@ def _whole_number_quantity(value: Any) -> Any:
 
 #: A positive resource quantity of a Ray pod: a string matching :data:`POSITIVE_QUANTITY_PATTERN`, or a whole number
 #: greater than zero (read as its decimal string). In the CRD: ``x-kubernetes-int-or-string`` with the pattern for
-#: strings and ``minimum: 1`` for integers (:mod:`daedalus_trainer.crd`).
+#: strings and ``minimum: 1`` for integers (the pattern does not apply to them; :mod:`daedalus_trainer.crd`).
 PositiveQuantity = Annotated[
-    str, Field(pattern=POSITIVE_QUANTITY_PATTERN, json_schema_extra={"x-kubernetes-int-or-string": True}),
+    str, Field(pattern=POSITIVE_QUANTITY_PATTERN, json_schema_extra={"x-kubernetes-int-or-string": True, "minimum": 1}),
     BeforeValidator(_whole_number_quantity)]
 #: A Kubernetes object name that must be a DNS label (RFC 1123), as a worker group name or a namespace.
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"

@@ -74,11 +74,9 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
         out.pop("additionalProperties", None)
     if out.get("x-kubernetes-int-or-string"):
         # A quantity (config.PositiveQuantity): the structural form of IntOrString (apiextensions: the one anyOf with
-        # types allowed). The pattern checks strings only, so whole numbers get their own bound (> 0).
+        # types allowed).
         out.pop("type", None)
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-        if out.get("pattern") == c.POSITIVE_QUANTITY_PATTERN:
-            out["minimum"] = 1
     return out
 
 
@@ -199,8 +197,8 @@ def crd() -> dict[str, Any]:
 
 
 _KEY_ORDER = ["description", "type", "anyOf", "x-kubernetes-int-or-string", "nullable", "enum", "default", "minimum",
-              "exclusiveMinimum", "maximum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "items", "required",
-              "properties", "additionalProperties", "x-kubernetes-validations"]
+              "exclusiveMinimum", "maximum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems",
+              "maxItems", "items", "required", "properties", "additionalProperties", "x-kubernetes-validations"]
 
 
 def _ordered(node: Any) -> Any:
