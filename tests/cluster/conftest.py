@@ -31,15 +31,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cluster)
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
-    """Report the control plane's start-up time and build stamp in the session summary."""
+def _report_lines() -> list[str]:
+    """One line per control plane this process started: version, build stamp, start-up time by phase."""
+    lines = []
     for plane in _started:
         stamp = plane.binaries.stamp
-        terminalreporter.write_line(
+        lines.append(
             f"control plane: kube-apiserver {plane.binaries.version} (Debian {stamp.get('debian_version', '?')},"
             f" {stamp.get('go_version', '?')}) + etcd {plane.binaries.etcd}; started in {plane.startup_seconds:.1f} s"
             f" ({', '.join(f'{k} {v:.1f}' for k, v in plane.startup_phases.items())})"
         )
+    return lines
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On an xdist worker, hand the report lines to the controller, which prints them (tests/conftest.py)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput.setdefault("daedalus_summary", []).extend(_report_lines())
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Report the control plane's start-up time and build stamp in the session summary."""
+    for line in _report_lines():
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
