@@ -3,7 +3,8 @@
 - :func:`build_raycluster` - the KubeRay RayCluster (ray.io/v1): head group without GPUs and ``num-cpus: "0"`` (the
   trainer's driver and HTTP endpoint live there, no Ray tasks), worker groups with ``nvidia.com/gpu`` and
   ``vpc.amazonaws.com/efa``, an in-memory ``/dev/shm``, the shared PVC, node affinity to unlabelled or
-  HyperPod-Schedulable nodes, the instance type, tolerations.
+  HyperPod-Schedulable nodes, the instance type, tolerations, and (``cluster.podSecurity: restricted``, the default)
+  the securityContext the Pod Security Standards' restricted level asks for.
 - :func:`build_config_map` - the resolved trainer config (the whole job manifest with every default) that the trainer
   reads with ``--config``.
 - :func:`build_secret` - the job's token (random, created once; reconcile never rotates it): the trainer's control
@@ -27,6 +28,7 @@ azure:// URI).
 from __future__ import annotations
 
 import base64
+import copy
 import hashlib
 import json
 import posixpath
@@ -222,6 +224,24 @@ def _shared_volume(spec: RLTrainingJobSpec) -> tuple[list[dict], list[dict]]:
             [{"name": "shared", "mountPath": shared_mount_path(spec)}])
 
 
+#: Pod-level securityContext of ``cluster.podSecurity: restricted``: the Pod Security Standards' restricted level asks
+#: for ``runAsNonRoot`` and a ``RuntimeDefault`` (or Localhost) seccomp profile, set once here for every container.
+RESTRICTED_POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+#: Container-level securityContext of the restricted level: no privilege escalation, every capability dropped.
+#: KubeRay copies the Ray container's securityContext into the ``wait-gcs-ready`` init container it adds to workers.
+RESTRICTED_CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _secure(pod: dict[str, Any], spec: RLTrainingJobSpec) -> dict[str, Any]:
+    """Pod spec ``pod`` with the securityContext of ``spec.cluster.podSecurity`` on it and its containers (nothing for
+    ``baseline``); returns ``pod``. The contexts are copies: two pods never share one dict."""
+    if spec.cluster.pod_security == "restricted":
+        pod["securityContext"] = copy.deepcopy(RESTRICTED_POD_SECURITY)
+        for container in pod["containers"]:
+            container["securityContext"] = copy.deepcopy(RESTRICTED_CONTAINER_SECURITY)
+    return pod
+
+
 def _env(job: JobView, settings: OperatorSettings, *, head: bool = False) -> list[dict[str, Any]]:
     """Environment of the Ray containers: Ray token authentication on every one (``RAY_AUTH_MODE=token``,
     ``RAY_AUTH_TOKEN`` from the job's Secret: :data:`api.ENV_RAY_AUTH_MODE`); the head's also carries the same
@@ -266,7 +286,7 @@ def _head_template(job: JobView, settings: OperatorSettings) -> dict[str, Any]:
         "env": _env(job, settings, head=True),
         "volumeMounts": mounts,
     }
-    pod: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    pod: dict[str, Any] = _secure({"containers": [container], "volumes": volumes}, spec)
     _place_head(pod, spec)
     if spec.cluster.service_account_name:
         pod["serviceAccountName"] = spec.cluster.service_account_name
@@ -294,7 +314,7 @@ def _worker_group(job: JobView, group: WorkerGroupSpec, settings: OperatorSettin
         "env": _env(job, settings),
         "volumeMounts": mounts,
     }
-    pod: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    pod: dict[str, Any] = _secure({"containers": [container], "volumes": volumes}, spec)
     selector = dict(group.node_selector)
     if group.instance_type:
         selector[api.INSTANCE_TYPE_LABEL] = group.instance_type
@@ -425,6 +445,7 @@ def build_rayservice(job: JobView, lora_uri: str) -> dict[str, Any]:
                         "volumeMounts": mounts + [{"name": "dshm", "mountPath": "/dev/shm"}]}],
         "volumes": volumes + [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": gpu_group.shm_size}}],
     }
+    _secure(worker_pod, spec)
     selector = dict(gpu_group.node_selector)
     if gpu_group.instance_type:
         selector[api.INSTANCE_TYPE_LABEL] = gpu_group.instance_type
@@ -432,7 +453,7 @@ def build_rayservice(job: JobView, lora_uri: str) -> dict[str, Any]:
         worker_pod["nodeSelector"] = selector
     if gpu_group.tolerations:
         worker_pod["tolerations"] = _tolerations(gpu_group)
-    head_pod: dict[str, Any] = {"containers": [head_container], "volumes": volumes}
+    head_pod: dict[str, Any] = _secure({"containers": [head_container], "volumes": volumes}, spec)
     _place_head(head_pod, spec)
     if spec.cluster.service_account_name:  # IRSA / Pod Identity: the adapter is read from object storage
         head_pod["serviceAccountName"] = worker_pod["serviceAccountName"] = spec.cluster.service_account_name

@@ -15,7 +15,6 @@ cel-python.
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -24,6 +23,7 @@ from cluster_support import REPO, RLTJ, RLTJ_CRD, daedalus_crds, ensure_crds, ex
 from daedalus_trainer.config import RLTrainingJobStatus, parse_job
 from kubernetes import client
 from kubernetes.client import ApiException
+from pod_security import kuberay_pod_spec, restricted_violations
 
 from daedalus_operator import resources
 from daedalus_operator.plan import JobView
@@ -90,7 +90,8 @@ def built_objects(view: JobView) -> list[dict]:
 
 def kuberay_pods(obj: dict) -> list[dict]:
     """The pods KubeRay makes from a RayCluster's (or a RayService's ``rayClusterConfig``) pod templates: template
-    metadata and spec as given (KubeRay adds its own labels, command and env on top).
+    metadata and spec as given, with the worker init container and the head's ``/dev/shm`` volume KubeRay adds
+    (:func:`pod_security.kuberay_pod_spec`; KubeRay adds its own labels, command and env on top).
 
     Resource quantities become strings: KubeRay decodes the template into Go's ``corev1.PodSpec``, where a JSON number
     is a valid ``resource.Quantity`` that is sent on as a string (``8`` -> ``"8"``); the Python client, unlike the
@@ -99,9 +100,9 @@ def kuberay_pods(obj: dict) -> list[dict]:
     groups = [("head", spec["headGroupSpec"]["template"])]
     groups += [(g["groupName"], g["template"]) for g in spec.get("workerGroupSpecs", [])]
     pods = []
-    for group, template in groups:
-        pod_spec = copy.deepcopy(template["spec"])
-        for container in pod_spec.get("containers", []):
+    for i, (group, template) in enumerate(groups):
+        pod_spec = kuberay_pod_spec(template["spec"], worker=i > 0)
+        for container in pod_spec.get("containers", []) + pod_spec.get("initContainers", []):
             for section in ("requests", "limits"):
                 quantities = (container.get("resources") or {}).get(section) or {}
                 for key, value in quantities.items():
@@ -201,6 +202,10 @@ def test_the_pods_kuberay_would_create_pass_server_side_dry_run(kube, namespace,
         missing = missing_paths(pod, answer)
         if missing:
             problems[pod["metadata"]["name"]] = f"dropped by the server: {missing}"
+        # as the server stored it (its defaults added), the pod meets the restricted level (the default podSecurity)
+        violations = restricted_violations(answer["spec"])
+        if violations:
+            problems[pod["metadata"]["name"]] = f"not restricted: {violations}"
     assert problems == {}
 
 

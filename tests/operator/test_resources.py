@@ -449,3 +449,112 @@ def test_rayservice_dashboard_has_kuberay_managed_token_auth_from_ray_2_52(rayse
     assert cluster["rayVersion"] == ray_version
     assert cluster.get("authOptions") == ({"mode": "token"} if token_auth else None)
     assert r.supports_ray_token_auth(ray_version) is token_auth
+
+
+# ------------------------------------------------------------------------------------------------ Pod Security
+def ray_pod_specs(job: JobView) -> dict[str, dict]:
+    """The pod specs KubeRay makes for ``job``'s RayCluster and serving RayService (:func:`kuberay_pod_spec`), by
+    ``<object kind>/<group>``."""
+    from pod_security import kuberay_pod_spec
+
+    specs = {}
+    for obj in (r.build_raycluster(job, SETTINGS), r.build_rayservice(job, "s3://bucket/exports/")):
+        spec = obj["spec"].get("rayClusterConfig", obj["spec"])
+        specs[f"{obj['kind']}/head"] = kuberay_pod_spec(spec["headGroupSpec"]["template"]["spec"], worker=False)
+        for group in spec["workerGroupSpecs"]:
+            specs[f"{obj['kind']}/{group['groupName']}"] = kuberay_pod_spec(group["template"]["spec"], worker=True)
+    return specs
+
+
+@pytest.mark.parametrize("example", [TINY, HYPERPOD])
+def test_ray_pods_meet_the_restricted_pod_security_level_by_default(example: str) -> None:
+    """Every pod of a job (training head and workers, serving head and workers, with the init container KubeRay adds
+    to workers) is admitted in a namespace that enforces ``restricted``, the default ``cluster.podSecurity``."""
+    from pod_security import restricted_violations
+
+    job = view(example, serving__enabled=True)
+    assert job.spec.cluster.pod_security == "restricted"
+    specs = ray_pod_specs(job)
+    groups = [g.name for g in job.spec.cluster.worker_groups]
+    assert sorted(specs) == sorted(["RayCluster/head", *(f"RayCluster/{g}" for g in groups), "RayService/head",
+                                    "RayService/serve"])
+    assert {name: restricted_violations(spec) for name, spec in specs.items()} == {name: [] for name in specs}
+    for name, spec in specs.items():
+        assert spec["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}, name
+        init = [c["name"] for c in spec.get("initContainers", [])]
+        assert init == ([] if name.endswith("/head") else ["wait-gcs-ready"]), name
+        for container in spec["containers"] + spec.get("initContainers", []):
+            assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                    "capabilities": {"drop": ["ALL"]}}, (name, container["name"])
+    # the builders hand out copies: a change to one pod's context is not a change to another's
+    rc = r.build_raycluster(job, SETTINGS)
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+    head["securityContext"]["runAsUser"] = 0
+    head["containers"][0]["securityContext"]["capabilities"]["drop"].clear()
+    assert r.RESTRICTED_POD_SECURITY == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    worker = rc["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert worker["securityContext"] == r.RESTRICTED_POD_SECURITY
+    assert worker["containers"][0]["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def test_baseline_ray_pods_set_no_security_context_and_meet_only_baseline() -> None:
+    """``cluster.podSecurity: baseline`` (an image that runs as root) leaves every securityContext out: the pods meet
+    the baseline level, and the restricted level's four container controls name each container."""
+    from pod_security import baseline_violations, restricted_violations
+
+    specs = ray_pod_specs(view(HYPERPOD, serving__enabled=True, cluster__podSecurity="baseline"))
+    for name, spec in specs.items():
+        containers = [f"initContainer {c['name']}" for c in spec.get("initContainers", [])] + \
+            [f"container {c['name']}" for c in spec["containers"]]
+        assert "securityContext" not in spec and not any("securityContext" in c for c in spec["containers"]), name
+        assert baseline_violations(spec) == [], name
+        assert restricted_violations(spec) == [v for where in containers for v in (
+            f"Privilege Escalation: {where} does not set allowPrivilegeEscalation false",
+            f"Running as Non-root: {where} runAsNonRoot is not true (pod or container)",
+            f"Seccomp: {where} has no RuntimeDefault or Localhost profile (pod or container)",
+            f"Capabilities: {where} does not drop ALL")], name
+
+
+def test_the_pod_security_checks_catch_each_control() -> None:
+    """The oracle itself: a pod that breaks one control at a time is named for exactly that control."""
+    from pod_security import baseline_violations, restricted_violations
+
+    good = ray_pod_specs(view(TINY, serving__enabled=True))["RayCluster/cpu"]
+    assert restricted_violations(good) == []
+
+    def broken(change) -> list[str]:
+        spec = copy.deepcopy(good)
+        change(spec)
+        return restricted_violations(spec)
+
+    ray = "container ray-worker"
+    assert broken(lambda s: s.update(hostNetwork=True)) == ["Host Namespaces: hostNetwork is true"]
+    assert broken(lambda s: s["volumes"].append({"name": "h", "hostPath": {"path": "/"}})) == [
+        "HostPath Volumes: volume h", "Volume Types: volume h is ['hostPath']"]
+    assert broken(lambda s: s["containers"][0]["securityContext"].update(privileged=True)) == [
+        f"Privileged Containers: {ray}"]
+    assert broken(lambda s: s["containers"][0].update(ports=[{"containerPort": 80, "hostPort": 80}])) == [
+        f"Host Ports: {ray} hostPort 80"]
+    assert broken(lambda s: s["containers"][0]["securityContext"]["capabilities"].update(add=["SYS_ADMIN", "CHOWN"])) \
+        == [f"Capabilities: {ray} adds ['SYS_ADMIN']",
+            f"Capabilities: {ray} adds ['CHOWN', 'SYS_ADMIN'] (restricted allows only NET_BIND_SERVICE)"]
+    assert broken(lambda s: s["containers"][0]["securityContext"]["capabilities"].update(add=["NET_BIND_SERVICE"])) \
+        == []
+    assert broken(lambda s: s["securityContext"].update(runAsUser=0)) == ["Running as Non-root user: pod runAsUser 0"]
+    assert broken(lambda s: s["containers"][0]["securityContext"].update(runAsNonRoot=False)) == [
+        f"Running as Non-root: {ray} runAsNonRoot is not true (pod or container)"]
+    assert broken(lambda s: s["containers"][0]["securityContext"].update(seccompProfile={"type": "Unconfined"})) == [
+        f"Seccomp: {ray} profile Unconfined",
+        f"Seccomp: {ray} has no RuntimeDefault or Localhost profile (pod or container)"]
+    # the pod's profile moved to every container is as good; removed from the pod alone, it is missing everywhere
+    def per_container(spec: dict) -> None:
+        profile = spec["securityContext"].pop("seccompProfile")
+        for c in spec["containers"] + spec["initContainers"]:
+            c["securityContext"]["seccompProfile"] = profile
+    assert broken(per_container) == []
+    assert broken(lambda s: s["securityContext"].pop("seccompProfile")) == [
+        "Seccomp: initContainer wait-gcs-ready has no RuntimeDefault or Localhost profile (pod or container)",
+        f"Seccomp: {ray} has no RuntimeDefault or Localhost profile (pod or container)"]
+    assert baseline_violations({"containers": [{"name": "c", "securityContext": {"procMount": "Unmasked"}}],
+                                "securityContext": {"sysctls": [{"name": "kernel.msgmax", "value": "1"}]}}) == [
+        "Sysctls: kernel.msgmax is not in the safe set", "/proc Mount Type: container c Unmasked"]

@@ -152,6 +152,8 @@ INVALID = [
     ("spec.algorithm.steps", -3, "spec.algorithm.steps", "greater than or equal to 1", "schema"),
     ("spec.algorithm.groupSize", 1, "spec.algorithm.groupSize", "greater than or equal to 2", "schema"),
     ("spec.environment.actionFormat", "json", "spec.environment.actionFormat", "'function'", "schema"),
+    # the Ray pods are built to one of the two Pod Security levels; `privileged` is not one of them
+    ("spec.cluster.podSecurity", "privileged", "spec.cluster.podSecurity", "'restricted' or 'baseline'", "schema"),
     ("spec.model.tiny", False, "spec.cluster.workerGroups", "gpusPerWorker", "cel"),
     # Held-out sets that leave too few training layouts: size 5 has 4 layouts, size 7 192 (at most 96 held out).
     ("spec.environment.size", 5, "spec.environment.evalMazes", "size 5 has too few layouts", "cel"),

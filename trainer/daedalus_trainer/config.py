@@ -416,6 +416,13 @@ class ClusterSpec(_Model):
     """Ray version inside the image (KubeRay `rayVersion`)."""
     service_account_name: str | None = None
     """ServiceAccount of the Ray pods."""
+    pod_security: Literal["restricted", "baseline"] = "restricted"
+    """The Pod Security Standards level (kubernetes.io/docs/concepts/security/pod-security-standards) the Ray pods of
+    the job (training RayCluster and serving RayService) are built to meet. `restricted`: `runAsNonRoot` and the
+    `RuntimeDefault` seccomp profile on the pods, no privilege escalation and every capability dropped in each
+    container; the image must name a numeric non-root user (the trainer image's is 10001), or the kubelet refuses to
+    start it. `baseline`: no securityContext, for an image that runs as root or names its user by name; such pods are
+    refused in a namespace that enforces `restricted`."""
     head: HeadSpec = Field(default_factory=HeadSpec)
     """Head group resources."""
     worker_groups: list[WorkerGroupSpec] = Field(default_factory=lambda: [WorkerGroupSpec()], max_length=16)
