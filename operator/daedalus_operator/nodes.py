@@ -98,6 +98,12 @@ class NodeHealth:
         ready_pods: how many of them are Running and Ready.
         unscheduled: ``"<pod>: <scheduler message>"`` for pods the scheduler could not place (``PodScheduled``
             False), for the Provisioning condition's message.
+        not_starting: ``"pod <pod>: container <name>: <reason>: <kubelet message>"`` for each container (init
+            containers first, as ``init container <name>``) of a live pod that waits for another reason than being
+            created or its pod initialising (:data:`STARTING_REASONS`): a wrong image (``ErrImagePull``,
+            ``ImagePullBackOff``, ``InvalidImageName``), a missing Secret or ConfigMap key or a root image under
+            ``runAsNonRoot`` (``CreateContainerConfigError``), a crashing process (``CrashLoopBackOff``). Also for
+            the Provisioning and Recovering conditions' messages: the kubelet says why the cluster does not come up.
         head_created: ``creationTimestamp`` of the newest head pod not being deleted (``None`` without one): a head
             created after an attempt started is a new Ray cluster that cannot be running that attempt's Ray job.
         not_ready: ``(pod, since)`` for each pod in phase Running, not Ready, not being deleted, on a node that
@@ -117,6 +123,7 @@ class NodeHealth:
     head_created: dt.datetime | None = None
     unscheduled: tuple[str, ...] = ()
     not_ready: tuple[tuple[str, dt.datetime], ...] = ()
+    not_starting: tuple[str, ...] = ()
 
     @property
     def head_lost(self) -> bool:
@@ -257,6 +264,27 @@ def _not_ready_since(pod: Mapping[str, Any]) -> dt.datetime | None:
     return max(known) if known else None
 
 
+#: ``state.waiting.reason`` of a container on its way up (core/v1 ContainerStateWaiting; the kubelet's
+#: ``ContainerCreating`` while it pulls and creates, ``PodInitializing`` while init containers run): not a problem.
+STARTING_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
+
+
+def _not_starting(pod: Mapping[str, Any]) -> list[str]:
+    """What the kubelet says of each container of ``pod`` waiting for another reason than :data:`STARTING_REASONS`
+    (see :attr:`NodeHealth.not_starting`); messages are cut at 300 characters."""
+    name = (pod.get("metadata") or {}).get("name", "")
+    status = pod.get("status") or {}
+    out = []
+    for kind, key in (("init container", "initContainerStatuses"), ("container", "containerStatuses")):
+        for cs in status.get(key) or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason")
+            if reason and reason not in STARTING_REASONS:
+                message = " ".join(str(waiting.get("message") or "").split())[:300]
+                out.append(f"pod {name}: {kind} {cs.get('name')}: {reason}: {message}".rstrip(": "))
+    return out
+
+
 def _terminated_reason(pod: Mapping[str, Any]) -> str:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         for key in ("state", "lastState"):
@@ -298,6 +326,7 @@ def node_health(
     head_created: dt.datetime | None = None
     unscheduled: list[str] = []
     not_ready: list[tuple[str, dt.datetime]] = []
+    not_starting: list[str] = []
     for pod in pods:
         meta = pod.get("metadata") or {}
         name = meta.get("name", "")
@@ -324,6 +353,7 @@ def node_health(
         if sched is not None and sched.get("status") == "False":
             unscheduled.append(f"pod {name}: {sched.get('reason') or 'Unschedulable'}: {sched.get('message') or ''}"
                                .rstrip(": "))
+        not_starting.extend(_not_starting(pod))
         is_ready = pod_ready(pod)
         ready += is_ready
         host = nodes.get(node) if node else None
@@ -384,6 +414,7 @@ def node_health(
         head_created=head_created,
         unscheduled=tuple(unscheduled),
         not_ready=tuple(not_ready),
+        not_starting=tuple(not_starting),
     )
 
 

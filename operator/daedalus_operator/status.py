@@ -45,9 +45,9 @@ _PHASE_MESSAGES = {
 
 def _desired(st: RLTrainingJobStatus, phase: Phase, error: str | None,
              detail: str = "") -> dict[ConditionType, tuple[str, str, str]]:
-    """(status, reason, message) per condition type; ``detail`` (what KubeRay and the scheduler say) is appended to
-    the Provisioning and Recovering messages (a recovery waits for a usable cluster as provisioning does: pods the
-    scheduler cannot place keep a job there)."""
+    """(status, reason, message) per condition type; ``detail`` (what KubeRay, the scheduler and the kubelet say) is
+    appended to the Provisioning and Recovering messages (a recovery waits for a usable cluster as provisioning does:
+    pods the scheduler cannot place, or containers that cannot start, keep a job there)."""
     rec = st.recovery
     fail = st.last_failure
     step = f"step {st.current_step}/{st.total_steps or '?'}"
@@ -190,7 +190,7 @@ def compute_status(
     detail = ""
     if plan.phase in (Phase.PROVISIONING, Phase.RECOVERING):
         said = ([f"RayCluster: {cluster.message}"] if cluster.exists and cluster.message else []) + list(
-            observed.health.unscheduled[:2])
+            observed.health.unscheduled[:2]) + list(observed.health.not_starting[:2])
         silent = (now - cluster.created).total_seconds() if cluster.exists and cluster.created else 0.0
         if cluster.exists and not cluster.reported and not cluster.deleting and silent >= NO_KUBERAY_AFTER_SECONDS:
             # No running count of seconds: the message must not change on every poll (a status patch each time)

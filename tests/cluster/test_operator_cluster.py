@@ -162,6 +162,41 @@ def test_examples_reach_their_documented_state_with_the_charts_service_account(o
     assert jobs.status(hyper["metadata"]["name"])["phase"] == "Provisioning"  # the other job is untouched
 
 
+def test_a_container_the_kubelet_cannot_start_is_quoted_in_the_job_s_conditions(operator, jobs, admin, namespace):
+    """The RayCluster's head pod, made from its template as KubeRay makes it (with the restricted securityContext the
+    operator built, which the real server stores), and given the status a kubelet writes for a root image under
+    ``runAsNonRoot``: the Provisioning job's Reconciling and Ready conditions quote the kubelet, and say it once (no
+    status rewrite on every poll)."""
+    from pod_security import kuberay_pod_spec, restricted_violations
+
+    name = jobs.create(example(TINY, namespace))["metadata"]["name"]
+    rc_name = api.raycluster_name(name)
+    cluster = wait_for(lambda: admin.get("ray.io/v1/rayclusters", namespace, rc_name), timeout=60,
+                       message="the RayCluster")
+    template = cluster["spec"]["headGroupSpec"]["template"]
+    pod_name = f"{rc_name}-head-x1"
+    labels = {**template["metadata"]["labels"], "ray.io/cluster": rc_name, "ray.io/node-type": "head"}
+    stored = admin.create("v1/pods", namespace, {"apiVersion": "v1", "kind": "Pod",
+                                                 "metadata": {"name": pod_name, "labels": labels},
+                                                 "spec": kuberay_pod_spec(template["spec"], worker=False)})
+    try:
+        assert restricted_violations(stored["spec"]) == []
+        refused = (f'container has runAsNonRoot and image will run as root (pod: "{pod_name}_{namespace}'
+                   f'({stored["metadata"]["uid"]})", container: ray-head)')
+        admin.patch("v1/pods", namespace, pod_name, {"status": {"phase": "Pending", "containerStatuses": [
+            {"name": "ray-head", "image": template["spec"]["containers"][0]["image"], "imageID": "", "ready": False,
+             "restartCount": 0, "started": False,
+             "state": {"waiting": {"reason": "CreateContainerConfigError", "message": refused}}}]}}, status=True)
+        quoted = f"pod {pod_name}: container ray-head: CreateContainerConfigError: {refused}"
+        st = jobs.wait_status(name, lambda s: quoted in {c["type"]: c for c in s.get("conditions", [])}.get(
+            "Reconciling", {}).get("message", ""), timeout=60, message="the kubelet's reason in Reconciling")
+        assert st["phase"] == "Provisioning"
+        assert quoted in {c["type"]: c for c in st["conditions"]}["Ready"]["message"]
+        steady_status(admin, jobs, [name], seconds=4 * operator.poll)
+    finally:
+        admin.force_delete("v1/pods", namespace, pod_name)
+
+
 # ------------------------------------------------------------------------------------------------ status pruning
 _counter = itertools.count(1)
 

@@ -136,6 +136,46 @@ def test_a_pod_not_ready_on_a_ready_node_gets_a_grace_from_its_ready_transition(
     assert [i.pod for i in graced.lost_pods] == ["w1"] and left == 55.0 and not h.only_not_ready
 
 
+def test_containers_that_cannot_start_are_quoted_with_the_kubelet_s_reason() -> None:
+    """Containers waiting for another reason than their creation are listed with the kubelet's reason and message
+    (status shapes as the kubelet writes them): a root image under runAsNonRoot, an image that cannot be pulled in a
+    worker's init container and its Ray container, a crash loop. Creating and initialising containers, failed and
+    deleted pods are not listed."""
+    def waiting(p: dict, key: str, container: str, reason: str, message: str | None = None) -> dict:
+        state = {"waiting": {"reason": reason, **({"message": message} if message else {})}}
+        p["status"].setdefault(key, []).append({"name": container, "ready": False, "restartCount": 0,
+                                                "state": state})
+        return p
+
+    root = "container has runAsNonRoot and image will run as root (pod: \"j-ray-head-x_ml(0b1c)\", container: ray-head)"
+    pull = 'Back-off pulling image "registry.example/daedalus-trainer:0.1.O"'
+    head = waiting(pod("j-ray-head-x", "a", "head", phase="Pending", ready=False), "containerStatuses", "ray-head",
+                   "CreateContainerConfigError", root)
+    worker = pod("j-ray-p5-worker-y", "b", phase="Pending", ready=False)
+    waiting(worker, "initContainerStatuses", "wait-gcs-ready", "ImagePullBackOff", pull)
+    waiting(worker, "containerStatuses", "ray-worker", "PodInitializing")
+    crashing = waiting(pod("j-ray-p5-worker-z", "c", ready=False), "containerStatuses", "ray-worker",
+                       "CrashLoopBackOff", "back-off 40s restarting failed container=ray-worker\n pod=j-ray-p5-worker-z")
+    creating = waiting(pod("j-ray-p5-worker-w", "c", phase="Pending", ready=False), "containerStatuses",
+                       "ray-worker", "ContainerCreating")
+    failed = waiting(pod("j-ray-p5-worker-f", "c", phase="Failed", ready=False), "containerStatuses", "ray-worker",
+                     "ErrImagePull", "x")
+    gone = waiting(pod("j-ray-p5-worker-g", "c", deleting=True), "containerStatuses", "ray-worker", "ErrImagePull")
+    bare = waiting(pod("j-ray-p5-worker-v", "c", phase="Pending", ready=False), "containerStatuses", "ray-worker",
+                   "InvalidImageName")
+    h = node_health([head, worker, crashing, creating, failed, gone, bare], NODES, hyperpod=True)
+    assert h.not_starting == (
+        f"pod j-ray-head-x: container ray-head: CreateContainerConfigError: {root}",
+        f"pod j-ray-p5-worker-v: container ray-worker: InvalidImageName",
+        f"pod j-ray-p5-worker-y: init container wait-gcs-ready: ImagePullBackOff: {pull}",
+        "pod j-ray-p5-worker-z: container ray-worker: CrashLoopBackOff: back-off 40s restarting failed "
+        "container=ray-worker pod=j-ray-p5-worker-z",
+    )
+    long = waiting(pod("p", "a", phase="Pending", ready=False), "containerStatuses", "c", "ErrImagePull", "m" * 1000)
+    assert node_health([long], NODES, hyperpod=True).not_starting == (f"pod p: container c: ErrImagePull: {'m' * 300}",)
+    assert node_health([pod("h", "a", "head"), creating], NODES, hyperpod=True).not_starting == ()
+
+
 def test_no_attempt_no_loss_checks() -> None:
     h = node_health([pod("h", "a", "head", phase="Pending", ready=False)], NODES, hyperpod=True, since=None,
                     expected_pods=2)

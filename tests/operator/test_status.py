@@ -197,3 +197,27 @@ def test_a_recovery_waiting_for_pods_the_scheduler_cannot_place_says_so() -> Non
     assert reconciling.startswith("NodeReplacement: ") and unscheduled in reconciling
     assert "RayCluster: RayClusterProvisioned: waiting for worker pods" in reconciling
     assert unscheduled in cond(new, "Ready")["message"]
+
+
+def test_a_job_whose_containers_cannot_start_says_what_the_kubelet_says() -> None:
+    """Provisioning with the head's container refused by the kubelet (a root image under the restricted level): the
+    Reconciling and Ready conditions quote the first two containers that cannot start, after KubeRay's message and
+    the scheduler's; without such containers the message is KubeRay's alone."""
+    from daedalus_operator.nodes import ClusterState, NodeHealth
+
+    j = job({"phase": "Provisioning", "rayClusterName": "local-tiny-ray"})
+    cluster = ClusterState(exists=True, ready=False, created=NOW - dt.timedelta(seconds=30),
+                           message="HeadPodNotReady: head pod not ready")
+    refused = ("pod local-tiny-ray-head-x: container ray-head: CreateContainerConfigError: container has "
+               "runAsNonRoot and image will run as root")
+    pulls = [f"pod local-tiny-ray-cpu-worker-{i}: init container wait-gcs-ready: ImagePullBackOff: Back-off pulling "
+             f"image" for i in "abc"]
+    health = NodeHealth(pods=4, ready_pods=0, not_starting=(refused, *pulls))
+    new = step(j, obs(cluster, p.RayJobState.UNREACHABLE, health=health), NOW)
+    assert new["phase"] == "Provisioning"
+    for ctype in ("Reconciling", "Ready"):
+        message = cond(new, ctype)["message"]
+        assert message.endswith(f"RayCluster: HeadPodNotReady: head pod not ready; {refused}; {pulls[0]}"), message
+        assert pulls[1] not in message
+    plain = step(j, obs(cluster, p.RayJobState.UNREACHABLE, health=NodeHealth(pods=4, ready_pods=0)), NOW)
+    assert cond(plain, "Reconciling")["message"].endswith("RayCluster: HeadPodNotReady: head pod not ready")
