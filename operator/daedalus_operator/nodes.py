@@ -104,6 +104,7 @@ class NodeHealth:
             ``ImagePullBackOff``, ``InvalidImageName``), a missing Secret or ConfigMap key or a root image under
             ``runAsNonRoot`` (``CreateContainerConfigError``), a crashing process (``CrashLoopBackOff``). Also for
             the Provisioning and Recovering conditions' messages: the kubelet says why the cluster does not come up.
+            A volume that cannot be mounted leaves its pod ``ContainerCreating``: only the pod's events say so.
         head_created: ``creationTimestamp`` of the newest head pod not being deleted (``None`` without one): a head
             created after an attempt started is a new Ray cluster that cannot be running that attempt's Ray job.
         not_ready: ``(pod, since)`` for each pod in phase Running, not Ready, not being deleted, on a node that
@@ -269,9 +270,18 @@ def _not_ready_since(pod: Mapping[str, Any]) -> dt.datetime | None:
 STARTING_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
 
 
+#: The two states the kubelet alternates between while an image cannot be pulled (a failed pull, then a back-off
+#: before the next): quoted as one, so the condition does not change on every retry.
+PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff"})
+
+
 def _not_starting(pod: Mapping[str, Any]) -> list[str]:
     """What the kubelet says of each container of ``pod`` waiting for another reason than :data:`STARTING_REASONS`
-    (see :attr:`NodeHealth.not_starting`); messages are cut at 300 characters."""
+    (see :attr:`NodeHealth.not_starting`), in words that stay the same while the cause does (each change is a status
+    write): an image that cannot be pulled is ``ImagePullBackOff: cannot pull image "<image>"`` in both
+    :data:`PULL_REASONS` (the registry's answer is in the pod's events); a crash loop quotes how the container last
+    ended (``lastState.terminated``: reason, exit code), not the back-off message, whose delay grows; any other
+    reason comes with the kubelet's message, cut at 300 characters."""
     name = (pod.get("metadata") or {}).get("name", "")
     status = pod.get("status") or {}
     out = []
@@ -279,9 +289,17 @@ def _not_starting(pod: Mapping[str, Any]) -> list[str]:
         for cs in status.get(key) or []:
             waiting = (cs.get("state") or {}).get("waiting") or {}
             reason = waiting.get("reason")
-            if reason and reason not in STARTING_REASONS:
+            if not reason or reason in STARTING_REASONS:
+                continue
+            if reason in PULL_REASONS:
+                reason, message = "ImagePullBackOff", f'cannot pull image "{cs.get("image", "")}"'
+            elif reason == "CrashLoopBackOff":
+                ended = (cs.get("lastState") or {}).get("terminated") or {}
+                message = f"last ended {ended.get('reason') or 'Error'}, exit code {ended.get('exitCode')}" \
+                    if ended else ""
+            else:
                 message = " ".join(str(waiting.get("message") or "").split())[:300]
-                out.append(f"pod {name}: {kind} {cs.get('name')}: {reason}: {message}".rstrip(": "))
+            out.append(f"pod {name}: {kind} {cs.get('name')}: {reason}: {message}".rstrip(": "))
     return out
 
 

@@ -137,25 +137,27 @@ def test_a_pod_not_ready_on_a_ready_node_gets_a_grace_from_its_ready_transition(
 
 
 def test_containers_that_cannot_start_are_quoted_with_the_kubelet_s_reason() -> None:
-    """Containers waiting for another reason than their creation are listed with the kubelet's reason and message
-    (status shapes as the kubelet writes them): a root image under runAsNonRoot, an image that cannot be pulled in a
-    worker's init container and its Ray container, a crash loop. Creating and initialising containers, failed and
-    deleted pods are not listed."""
-    def waiting(p: dict, key: str, container: str, reason: str, message: str | None = None) -> dict:
+    """Containers waiting for another reason than their creation are listed with the kubelet's reason (status shapes
+    as the kubelet writes them): a root image under runAsNonRoot (with its message), an image that cannot be pulled in
+    a worker's init container, a crash loop (how the container last ended). Creating and initialising containers,
+    failed and deleted pods are not listed."""
+    image = "registry.example/daedalus-trainer:0.1.O"
+
+    def waiting(p: dict, key: str, container: str, reason: str, message: str | None = None, **extra) -> dict:
         state = {"waiting": {"reason": reason, **({"message": message} if message else {})}}
-        p["status"].setdefault(key, []).append({"name": container, "ready": False, "restartCount": 0,
-                                                "state": state})
+        p["status"].setdefault(key, []).append({"name": container, "image": image, "ready": False,
+                                                "restartCount": 0, "state": state, **extra})
         return p
 
     root = "container has runAsNonRoot and image will run as root (pod: \"j-ray-head-x_ml(0b1c)\", container: ray-head)"
-    pull = 'Back-off pulling image "registry.example/daedalus-trainer:0.1.O"'
     head = waiting(pod("j-ray-head-x", "a", "head", phase="Pending", ready=False), "containerStatuses", "ray-head",
                    "CreateContainerConfigError", root)
     worker = pod("j-ray-p5-worker-y", "b", phase="Pending", ready=False)
-    waiting(worker, "initContainerStatuses", "wait-gcs-ready", "ImagePullBackOff", pull)
+    waiting(worker, "initContainerStatuses", "wait-gcs-ready", "ImagePullBackOff", f'Back-off pulling image "{image}"')
     waiting(worker, "containerStatuses", "ray-worker", "PodInitializing")
     crashing = waiting(pod("j-ray-p5-worker-z", "c", ready=False), "containerStatuses", "ray-worker",
-                       "CrashLoopBackOff", "back-off 40s restarting failed container=ray-worker\n pod=j-ray-p5-worker-z")
+                       "CrashLoopBackOff", "back-off 40s restarting failed container=ray-worker pod=j-ray-p5-worker-z",
+                       lastState={"terminated": {"reason": "OOMKilled", "exitCode": 137}})
     creating = waiting(pod("j-ray-p5-worker-w", "c", phase="Pending", ready=False), "containerStatuses",
                        "ray-worker", "ContainerCreating")
     failed = waiting(pod("j-ray-p5-worker-f", "c", phase="Failed", ready=False), "containerStatuses", "ray-worker",
@@ -164,15 +166,22 @@ def test_containers_that_cannot_start_are_quoted_with_the_kubelet_s_reason() -> 
     bare = waiting(pod("j-ray-p5-worker-v", "c", phase="Pending", ready=False), "containerStatuses", "ray-worker",
                    "InvalidImageName")
     h = node_health([head, worker, crashing, creating, failed, gone, bare], NODES, hyperpod=True)
+    pull = f'pod j-ray-p5-worker-y: init container wait-gcs-ready: ImagePullBackOff: cannot pull image "{image}"'
     assert h.not_starting == (
         f"pod j-ray-head-x: container ray-head: CreateContainerConfigError: {root}",
-        f"pod j-ray-p5-worker-v: container ray-worker: InvalidImageName",
-        f"pod j-ray-p5-worker-y: init container wait-gcs-ready: ImagePullBackOff: {pull}",
-        "pod j-ray-p5-worker-z: container ray-worker: CrashLoopBackOff: back-off 40s restarting failed "
-        "container=ray-worker pod=j-ray-p5-worker-z",
+        "pod j-ray-p5-worker-v: container ray-worker: InvalidImageName",
+        pull,
+        "pod j-ray-p5-worker-z: container ray-worker: CrashLoopBackOff: last ended OOMKilled, exit code 137",
     )
-    long = waiting(pod("p", "a", phase="Pending", ready=False), "containerStatuses", "c", "ErrImagePull", "m" * 1000)
-    assert node_health([long], NODES, hyperpod=True).not_starting == (f"pod p: container c: ErrImagePull: {'m' * 300}",)
+    # the words stay the same while the cause does: a pull between two back-offs, a longer back-off
+    worker["status"]["initContainerStatuses"][0]["state"] = {"waiting": {
+        "reason": "ErrImagePull", "message": f'rpc error: code = NotFound desc = failed to pull and unpack image "{image}"'}}
+    crashing["status"]["containerStatuses"][0]["state"]["waiting"]["message"] = "back-off 5m0s restarting failed"
+    assert node_health([head, worker, crashing, creating, failed, gone, bare], NODES, hyperpod=True).not_starting \
+        == h.not_starting
+    long = waiting(pod("p", "a", phase="Pending", ready=False), "containerStatuses", "c", "RunContainerError", "m" * 999)
+    assert node_health([long], NODES, hyperpod=True).not_starting == (
+        f"pod p: container c: RunContainerError: {'m' * 300}",)
     assert node_health([pod("h", "a", "head"), creating], NODES, hyperpod=True).not_starting == ()
 
 

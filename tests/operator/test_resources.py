@@ -543,6 +543,11 @@ def test_the_pod_security_checks_catch_each_control() -> None:
     assert broken(lambda s: s["securityContext"].update(runAsUser=0)) == ["Running as Non-root user: pod runAsUser 0"]
     assert broken(lambda s: s["containers"][0]["securityContext"].update(runAsNonRoot=False)) == [
         f"Running as Non-root: {ray} runAsNonRoot is not true (pod or container)"]
+    def pod_false_containers_true(spec: dict) -> None:
+        spec["securityContext"]["runAsNonRoot"] = False
+        for c in spec["containers"] + spec["initContainers"]:
+            c["securityContext"]["runAsNonRoot"] = True
+    assert broken(pod_false_containers_true) == ["Running as Non-root: pod runAsNonRoot is false"]
     assert broken(lambda s: s["containers"][0]["securityContext"].update(seccompProfile={"type": "Unconfined"})) == [
         f"Seccomp: {ray} profile Unconfined",
         f"Seccomp: {ray} has no RuntimeDefault or Localhost profile (pod or container)"]

@@ -3,8 +3,8 @@
 Source: kubernetes.io/docs/concepts/security/pod-security-standards (the "latest" policy version, Kubernetes 1.30-1.34),
 whose controls the Pod Security admission controller enforces per namespace (``pod-security.kubernetes.io/enforce``).
 The test tier's kube-apiserver 1.20 has no Pod Security admission (it came in 1.23), so these checks are written out
-here, one per control, each returning the message of a violation; a pod meets a level when its list is empty. Windows
-``hostProcess`` and the AppArmor/SELinux controls are checked only as far as the pods here could set them.
+here, one per control, each returning the message of a violation; a pod meets a level when its list is empty. Not
+written out: the baseline AppArmor and SELinux controls (annotations and ``seLinuxOptions`` that no pod here sets).
 
 :func:`kuberay_pod_spec` adds to a pod template what KubeRay itself adds before it creates the pod and that these
 checks see: the ``wait-gcs-ready`` init container of a worker (KubeRay copies the Ray container's securityContext,
@@ -82,6 +82,8 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
     pod_sc = pod.get("securityContext") or {}
     if pod_sc.get("runAsUser") == 0:
         out.append("Running as Non-root user: pod runAsUser 0")
+    if pod_sc.get("runAsNonRoot") is False:  # refused even when every container sets true (Pod Security admission)
+        out.append("Running as Non-root: pod runAsNonRoot is false")
     pod_seccomp = (pod_sc.get("seccompProfile") or {}).get("type")
     for where, container in _containers(pod):
         sc = container.get("securityContext") or {}
