@@ -566,3 +566,40 @@ def test_objects_read_back_from_the_api_server_validate(tmp_path):
     with pytest.raises(c.SpecError) as info:
         c.parse_job(job)
     assert [p for p, _ in info.value.errors] == ["status.phase"]
+
+
+def test_the_trainer_drops_only_unknown_fields_of_the_operator_s_sections(tmp_path, caplog):
+    """Version skew: a newer operator's ConfigMap carries fields an older trainer cannot know. Read as the operator's
+    config (``daedalus train``), unknown fields of spec.cluster (at any depth), spec.resilience and spec.serving are
+    dropped with a warning naming each; read as a user's job (``run``, ``validate``) they are refused; an unknown
+    field of a section the trainer reads is refused either way."""
+    import json
+    import logging
+
+    obj = _local()
+    expected = c.parse_job(copy.deepcopy(obj))
+    newer = copy.deepcopy(obj)
+    newer["spec"]["cluster"]["podSecurityProfile"] = "Localhost"
+    newer["spec"]["cluster"]["workerGroups"][0]["topologyKey"] = "zone"
+    newer["spec"]["resilience"] = {"maxRestarts": 3, "drainTimeoutSeconds": 60}
+    newer["spec"]["serving"] = {"enabled": False, "canary": {"weight": 5}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(newer))
+    with caplog.at_level(logging.WARNING, logger="daedalus_trainer.config"):
+        job = c.load_job(path, operator_config=True)
+    assert job.spec.cluster == expected.spec.cluster and job.spec.algorithm == expected.spec.algorithm
+    assert job.spec.resilience.max_restarts == 3
+    assert sorted(r.getMessage().split(",")[0] for r in caplog.records) == [
+        f"{path}: ignoring {field}" for field in ("spec.cluster.podSecurityProfile",
+                                                  "spec.cluster.workerGroups[0].topologyKey",
+                                                  "spec.resilience.drainTimeoutSeconds", "spec.serving.canary")]
+    with pytest.raises(c.SpecError) as info:
+        c.load_job(path)
+    assert {p for p, _ in info.value.errors} == {"spec.cluster.podSecurityProfile",
+                                                 "spec.cluster.workerGroups[0].topologyKey",
+                                                 "spec.resilience.drainTimeoutSeconds", "spec.serving.canary"}
+    newer["spec"]["algorithm"]["entropyBonus"] = 0.01
+    path.write_text(json.dumps(newer))
+    with pytest.raises(c.SpecError) as info:
+        c.load_job(path, operator_config=True)
+    assert [p for p, _ in info.value.errors] == ["spec.algorithm.entropyBonus"]
