@@ -3,8 +3,9 @@
 - :func:`build_raycluster` - the KubeRay RayCluster (ray.io/v1): head group without GPUs and ``num-cpus: "0"`` (the
   trainer's driver and HTTP endpoint live there, no Ray tasks), worker groups with ``nvidia.com/gpu`` and
   ``vpc.amazonaws.com/efa``, an in-memory ``/dev/shm``, the shared PVC, node affinity to unlabelled or
-  HyperPod-Schedulable nodes, the instance type, tolerations, and (``cluster.podSecurity: restricted``, the default)
-  the securityContext the Pod Security Standards' restricted level asks for.
+  HyperPod-Schedulable nodes, the instance type, tolerations, annotations that keep Karpenter and Cluster Autoscaler
+  from removing the nodes under a running job, and (``cluster.podSecurity: restricted``, the default) the
+  securityContext the Pod Security Standards' restricted level asks for.
 - :func:`build_config_map` - the resolved trainer config (the whole job manifest with every default) that the trainer
   reads with ``--config``.
 - :func:`build_secret` - the job's token (random, created once; reconcile never rotates it): the trainer's control
@@ -261,8 +262,18 @@ def _env(job: JobView, settings: OperatorSettings, *, head: bool = False) -> lis
     return env
 
 
+#: Annotations of the training pods that ask node autoscalers not to remove their nodes voluntarily while the job
+#: runs (consolidating a GPU node kills its Ray pods: the job loses the steps since its last checkpoint and waits
+#: for a recovery). Karpenter (karpenter.sh/docs/reference/annotations, GA): blocks consolidation and drift, not
+#: expiration or repair. Cluster Autoscaler (its FAQ, "What types of pods can prevent CA from removing a node?"):
+#: the node is not scaled down. HyperPod's own replacements and reboots are announced on the node and handled
+#: with a checkpoint (:mod:`daedalus_operator.nodes`). Serving pods do not carry them.
+NO_VOLUNTARY_DISRUPTION: dict[str, str] = {"karpenter.sh/do-not-disrupt": "true",
+                                           "cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+
+
 def _pod_meta(job: JobView) -> dict[str, Any]:
-    return {"labels": {api.JOB_LABEL: job.name}}
+    return {"labels": {api.JOB_LABEL: job.name}, "annotations": dict(NO_VOLUNTARY_DISRUPTION)}
 
 
 def _head_template(job: JobView, settings: OperatorSettings) -> dict[str, Any]:

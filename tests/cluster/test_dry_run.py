@@ -110,7 +110,8 @@ def kuberay_pods(obj: dict) -> list[dict]:
         pods.append({"apiVersion": "v1", "kind": "Pod",
                      "metadata": {"name": f"{obj['metadata']['name']}-{group}",
                                   "namespace": obj["metadata"]["namespace"],
-                                  "labels": dict((template.get("metadata") or {}).get("labels") or {})},
+                                  "labels": dict((template.get("metadata") or {}).get("labels") or {}),
+                                  "annotations": dict((template.get("metadata") or {}).get("annotations") or {})},
                      "spec": pod_spec})
     return pods
 

@@ -451,6 +451,26 @@ def test_rayservice_dashboard_has_kuberay_managed_token_auth_from_ray_2_52(rayse
     assert r.supports_ray_token_auth(ray_version) is token_auth
 
 
+# ------------------------------------------------------------------------------------------------ autoscalers
+@pytest.mark.parametrize("example", [TINY, HYPERPOD])
+def test_training_pods_ask_node_autoscalers_to_keep_their_nodes_and_serving_pods_do_not(example: str) -> None:
+    """Every training pod template (head and each worker group) carries Karpenter's ``do-not-disrupt`` and Cluster
+    Autoscaler's ``safe-to-evict: "false"`` (string values, as annotations must be); the serving RayService's pods
+    carry neither: a serving replica may move."""
+    job = view(example, serving__enabled=True)
+    rc = r.build_raycluster(job, SETTINGS)
+    training = [rc["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in rc["spec"]["workerGroupSpecs"]]
+    assert len(training) == 1 + len(job.spec.cluster.worker_groups)
+    for template in training:
+        assert template["metadata"]["annotations"] == {"karpenter.sh/do-not-disrupt": "true",
+                                                       "cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+        assert template["metadata"]["labels"] == {api.JOB_LABEL: job.name}
+    training[0]["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] = "5m"  # a copy per pod template
+    assert training[1]["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+    for template in pod_templates(r.build_rayservice(job, "s3://bucket/exports/")):
+        assert "annotations" not in template["metadata"]
+
+
 # ------------------------------------------------------------------------------------------------ Pod Security
 def ray_pod_specs(job: JobView) -> dict[str, dict]:
     """The pod specs KubeRay makes for ``job``'s RayCluster and serving RayService (:func:`kuberay_pod_spec`), by
