@@ -1303,17 +1303,6 @@ def duplicate_name_errors(docs: list[Any]) -> dict[int, list[tuple[str, str]]]:
 OPERATOR_SECTIONS = ("cluster", "resilience", "serving")
 
 
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model in a field's annotation (``X``, ``X | None``, ``list[X]``), else ``None``."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None
-
-
 def _drop_unknown(obj: Any, model: type[BaseModel], path: str, dropped: list[str]) -> None:
     if isinstance(obj, list):
         for i, item in enumerate(obj):
