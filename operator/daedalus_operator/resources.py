@@ -6,8 +6,8 @@
   HyperPod-Schedulable nodes, the instance type, tolerations, annotations that keep Karpenter and Cluster Autoscaler
   from removing the nodes under a running job, and (``cluster.podSecurity: restricted``, the default) the
   securityContext the Pod Security Standards' restricted level asks for.
-- :func:`build_config_map` - the resolved trainer config (the whole job manifest with every default) that the trainer
-  reads with ``--config``.
+- :func:`build_config_map` - the resolved trainer config (the job manifest with every default, without the sections
+  only the operator reads) that the trainer reads with ``--config``.
 - :func:`build_secret` - the job's token (random, created once; reconcile never rotates it): the trainer's control
   token, given to the head container as ``$DAEDALUS_CONTROL_TOKEN``, and the Ray token of every container
   (``$RAY_AUTH_TOKEN`` with ``RAY_AUTH_MODE=token``), by ``env.valueFrom.secretKeyRef``.
@@ -93,9 +93,17 @@ def shared_mount_path(spec: RLTrainingJobSpec) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ ConfigMap, Secret
+#: Fields of the spec that only the operator reads; the trainer config leaves them out (:func:`trainer_config`).
+OPERATOR_ONLY_FIELDS = ("cluster", "resilience", "serving", "suspend")
+
+
 def trainer_config(job: JobView) -> dict[str, Any]:
-    """The resolved trainer config: the job manifest with every default filled in, metadata reduced to name,
-    namespace and uid (what ``daedalus train --config`` reads).
+    """The resolved trainer config (what ``daedalus train --config`` reads): the job manifest with every default
+    filled in, metadata reduced to name, namespace and uid, without :data:`OPERATOR_ONLY_FIELDS`. Version skew: a
+    job's trainer image (``spec.cluster.image``, immutable) may be older than the operator, and the trainer refuses
+    a field it does not know; leaving out what it never reads keeps a field the operator adds there (such as
+    ``cluster.podSecurity``) from failing an older trainer's next attempt. The trainer reads those sections back
+    as their defaults.
 
     Raises:
         ValueError: the job's spec is invalid.
@@ -103,6 +111,8 @@ def trainer_config(job: JobView) -> dict[str, Any]:
     spec = _spec(job)
     doc = RLTrainingJob(metadata=ObjectMeta(name=job.name, namespace=job.namespace), spec=spec).to_manifest()
     doc["metadata"]["uid"] = job.uid
+    for field in OPERATOR_ONLY_FIELDS:
+        doc["spec"].pop(field, None)
     return doc
 
 

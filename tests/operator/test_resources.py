@@ -216,7 +216,13 @@ def test_config_map_holds_the_resolved_job() -> None:
     assert doc["metadata"] == {"name": "local-tiny", "namespace": "default", "uid": job.uid}
     assert doc["spec"]["algorithm"]["klCoef"] == 0.0  # a default the YAML does not spell
     assert doc["spec"]["checkpoint"]["intervalSteps"] == 5
-    assert parse_job(doc).spec == job.spec  # the trainer reads back the same spec
+    # the trainer reads back the same spec, but for the operator's fields, which it reads as their defaults: a field
+    # the operator adds there never reaches an older trainer image (which would refuse it)
+    assert sorted(doc["spec"]) == ["algorithm", "checkpoint", "environment", "lora", "model", "sft"]
+    read = parse_job(doc).spec
+    assert read.model_dump(exclude=set(r.OPERATOR_ONLY_FIELDS)) == job.spec.model_dump(
+        exclude=set(r.OPERATOR_ONLY_FIELDS))
+    assert read.cluster == type(job.spec.cluster)() and read.serving == type(job.spec.serving)()
     assert r.build_config_map(job) == cm  # stable bytes: no needless updates
 
 

@@ -18,7 +18,6 @@ import difflib
 import enum
 import functools
 import io
-import logging
 import re
 import reprlib
 import sys
@@ -1298,53 +1297,11 @@ def duplicate_name_errors(docs: list[Any]) -> dict[int, list[tuple[str, str]]]:
     return out
 
 
-#: Sections of the spec that only the operator reads (the trainer never does): where a newer operator's fields land
-#: that an older trainer image may not know (:func:`drop_unknown_operator_fields`).
-OPERATOR_SECTIONS = ("cluster", "resilience", "serving")
-
-
-def _drop_unknown(obj: Any, model: type[BaseModel], path: str, dropped: list[str]) -> None:
-    if isinstance(obj, list):
-        for i, item in enumerate(obj):
-            _drop_unknown(item, model, f"{path}[{i}]", dropped)
-        return
-    if not isinstance(obj, dict):
-        return
-    fields = {key: f for name, f in model.model_fields.items() for key in (name, f.alias or name)}  # populate_by_name
-    for key in list(obj):
-        field = fields.get(key)
-        if field is None:
-            del obj[key]
-            dropped.append(f"{path}.{key}")
-        elif (sub := _model_of(field.annotation)) is not None:
-            _drop_unknown(obj[key], sub, f"{path}.{key}", dropped)
-
-
-def drop_unknown_operator_fields(obj: Any) -> list[str]:
-    """Remove from manifest ``obj`` (in place) the fields of :data:`OPERATOR_SECTIONS` that this version does not
-    know, at any depth, and return their paths (``spec.cluster.podSecurity``). Version skew: the operator writes the
-    resolved job, every field of its own version, into the ConfigMap the trainer reads, and ``spec.cluster.image``
-    (the trainer's version) is immutable, so a trainer older than the operator meets fields it cannot know; those
-    of sections the trainer never reads are safe to drop. Anything else is left to :func:`parse_job` to refuse."""
-    dropped: list[str] = []
-    spec = obj.get("spec") if isinstance(obj, dict) else None
-    if not isinstance(spec, dict):
-        return dropped
-    for section in OPERATOR_SECTIONS:
-        field = RLTrainingJobSpec.model_fields[section]
-        model = _model_of(field.annotation)
-        if model is not None and section in spec:
-            _drop_unknown(spec[section], model, f"spec.{section}", dropped)
-    return dropped
-
-
-def load_job(path: str | Path, *, operator_config: bool = False) -> RLTrainingJob:
+def load_job(path: str | Path) -> RLTrainingJob:
     """Read the one RLTrainingJob of a YAML or JSON file (the job of ``daedalus run``, ``train``, ``sft`` and
     ``eval``). Other kinds of objects in the file are skipped; two or more jobs (documents, or items of a
     ``kind: List``) are refused rather than one of them silently chosen. ``-`` reads standard input, named
-    ``<stdin>`` in the errors. ``operator_config``: the file is the ConfigMap the operator wrote (``daedalus train``
-    on a cluster): fields of the operator's sections unknown to this version are dropped with a logged warning
-    (:func:`drop_unknown_operator_fields`) instead of refused.
+    ``<stdin>`` in the errors.
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -1359,9 +1316,4 @@ def load_job(path: str | Path, *, operator_config: bool = False) -> RLTrainingJo
         names = ", ".join(repr(key[1]) if (key := _doc_key(d)) else "unnamed" for d in docs)
         raise SpecError([("(file)", f"holds {len(docs)} RLTrainingJobs ({names}); daedalus run, train, sft and eval "
                                     "take one: split the file (daedalus validate checks them all)")], source)
-    if operator_config:
-        for dropped in drop_unknown_operator_fields(docs[0]):
-            logging.getLogger(__name__).warning(
-                "%s: ignoring %s, which this trainer does not know (an operator newer than the trainer image; "
-                "the trainer never reads that section)", source, dropped)
     return parse_job(docs[0], source=source)

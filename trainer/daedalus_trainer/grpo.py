@@ -1245,7 +1245,7 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     from daedalus_trainer.usage import check_port_free, env_number, make_dir, port_number
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    job = load_job(config, operator_config=True)  # the ConfigMap a newer operator may have written
+    job = load_job(config)
     # Everything that can be wrong with the environment fails here, in a second, not after Ray and the model start.
     attempt = int(env_number("DAEDALUS_ATTEMPT", 1, integer=True, minimum=0))
     port = port_number(os.environ.get("DAEDALUS_METRICS_PORT", "9400"), "DAEDALUS_METRICS_PORT")
