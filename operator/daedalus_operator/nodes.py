@@ -505,6 +505,10 @@ def expected_cluster_pods(body: Mapping[str, Any]) -> int:
                    for g in groups if isinstance(g, Mapping) and not g.get("suspend"))
 
 
+#: KubeRay's RayCluster condition that is True on a failed pod create or delete (rayv1.RayClusterReplicaFailure).
+REPLICA_FAILURE = "ReplicaFailure"
+
+
 def read_cluster(body: Mapping[str, Any] | None, *, control_port: int = api.CONTROL_PORT) -> ClusterState:
     """Read a RayCluster body (``None`` when it does not exist) into a :class:`ClusterState`.
 
@@ -528,7 +532,11 @@ def read_cluster(body: Mapping[str, Any] | None, *, control_port: int = api.CONT
     host = head.get("serviceIP") or head.get("podIP")
     if not host and meta.get("name") and meta.get("namespace") and up:
         host = f"{api.head_service_name(meta['name'])}.{meta['namespace']}.svc"
-    false_msgs = [f"{t}: {c.get('message') or c.get('reason')}" for t, c in conds.items() if c.get("status") != "True"]
+    # A condition says a problem when False, except ReplicaFailure: KubeRay sets it True when creating or deleting a
+    # pod failed, with the API server's answer (a quota, Pod Security admission refusing the pod), and removes it once
+    # that works (ray-operator/controllers/ray/raycluster_controller.go, calculateStatus).
+    problems = [f"{t}: {c.get('message') or c.get('reason')}" for t, c in conds.items()
+                if (c.get("status") == "True") == (t == REPLICA_FAILURE)]
     return ClusterState(
         exists=True,
         ready=bool(up and host) and not meta.get("deletionTimestamp"),
@@ -537,7 +545,7 @@ def read_cluster(body: Mapping[str, Any] | None, *, control_port: int = api.CONT
         dashboard_port=_port(endpoints, api.DASHBOARD_PORT_NAME, api.DASHBOARD_PORT),
         control_port=_port(endpoints, api.CONTROL_PORT_NAME, control_port),
         state=state,
-        message=status.get("reason") or "; ".join(false_msgs),
+        message=status.get("reason") or "; ".join(problems),
         created=parse_time(meta.get("creationTimestamp")),
         expected_pods=expected_cluster_pods(body),
         reported=bool(status),

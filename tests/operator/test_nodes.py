@@ -231,6 +231,29 @@ def test_read_cluster() -> None:
     assert c.exists and not c.ready and c.head_host == "10.1.2.3" and "HeadPodReady: HeadPodNotFound" in c.message
 
 
+def test_a_pod_kuberay_could_not_create_is_quoted_from_replica_failure() -> None:
+    """KubeRay's ReplicaFailure condition is True when creating a pod failed (here Pod Security admission refusing
+    a baseline job's head in a restricted namespace, as KubeRay writes it): no pod exists, so no kubelet says why,
+    and the message must come from the RayCluster. A False ReplicaFailure is not a problem; True conditions are not
+    quoted otherwise."""
+    refused = ('failed to create head Pod: pods "j-ray-head-x2" is forbidden: violates PodSecurity '
+               '"restricted:latest": allowPrivilegeEscalation != false (container "ray-head" must set '
+               'securityContext.allowPrivilegeEscalation=false)')
+    body = {"metadata": {"name": "j-ray", "namespace": "ml"}, "status": {"conditions": [
+        {"type": "RayClusterProvisioned", "status": "False", "reason": "RayClusterPodsProvisioning",
+         "message": "RayCluster Pods are being provisioned for first time"},
+        {"type": "HeadPodReady", "status": "False", "reason": "HeadPodNotFound", "message": "Head Pod not found"},
+        {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreateHeadPod", "message": refused}]}}
+    c = read_cluster(body)
+    assert not c.ready and c.message == (
+        "RayClusterProvisioned: RayCluster Pods are being provisioned for first time; HeadPodReady: Head Pod not "
+        f"found; ReplicaFailure: {refused}")
+    body["status"]["conditions"][2]["status"] = "False"
+    assert "ReplicaFailure" not in read_cluster(body).message
+    body["status"]["conditions"][0]["status"] = "True"
+    assert read_cluster(body).message == "HeadPodReady: Head Pod not found"
+
+
 def test_read_cluster_counts_the_pods_its_spec_asks_for() -> None:
     """head + replicas x numOfHosts per worker group (KubeRay's CRD defaults: replicas 0, numOfHosts 1); a suspended
     group asks for none."""
