@@ -280,7 +280,8 @@ class Runtime:
     budgeted: int = 0  # gates with budgeted=True
     pruned_at: float = 0.0  # time.monotonic() of the last pass over gates for stale ones
     last_api_ok: float = dataclasses.field(default_factory=time.monotonic)
-    # uid -> the resourceVersion whose unreadable status was last reported (:func:`read_status`): one event each
+    # uid -> the problem of the unreadable status last reported (:func:`read_status`), until the status is readable
+    # again: one event per problem, however often kopf's own annotations change the job's resourceVersion meanwhile
     unreadable: dict[str, str] = dataclasses.field(default_factory=dict)
     guard: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -784,6 +785,8 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
                 result = "error"
                 _report_unreadable_status(rt, body, job.status_error, logger)
                 return None
+            with rt.guard:
+                rt.unreadable.pop(job.uid, None)
             observed = gather(rt, job, indexes)
             trainer = observed.trainer
             rt.children(job.uid).note_cluster(observed.cluster.exists)
@@ -864,14 +867,16 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
 
 
 def _report_unreadable_status(rt: Runtime, body: dict[str, Any], why: str, logger: Any) -> None:
-    """Say once per resourceVersion (a Warning event on the job and an error in the log) that the reconcile leaves the
-    job alone because this operator cannot read its status (``why``, from :func:`read_status`)."""
-    meta = body.get("metadata") or {}
-    uid, version = meta.get("uid", ""), meta.get("resourceVersion", "")
+    """Say once per problem (a Warning event on the job and an error in the log) that the reconcile leaves the job
+    alone because this operator cannot read its status (``why``, from :func:`read_status`). Once per problem, not per
+    ``resourceVersion``: kopf's retry bookkeeping in the job's annotations (a status write answered 409 because the
+    status was just replaced) gives it a new one with the same unreadable status. A reconcile that reads the status
+    again forgets the problem, so its return is reported anew."""
+    uid = (body.get("metadata") or {}).get("uid", "")
     with rt.guard:
-        if rt.unreadable.get(uid) == version:
+        if rt.unreadable.get(uid) == why:
             return
-        rt.unreadable[uid] = version
+        rt.unreadable[uid] = why
     message = (f"this operator (daedalus {__version__}) cannot read the job's status, so it leaves the job, its "
                f"RayCluster and its Ray job as they are: {why}. Run the operator version that wrote it (a newer "
                "one?), or set the field it names to a value this version knows (docs/deploy.md)")

@@ -531,7 +531,8 @@ def test_a_status_this_operator_cannot_read_leaves_the_job_alone_and_says_why(en
     """A status written by another operator version (here a phase this one does not know, which a newer CRD would
     admit): the operator neither reads it as empty (the job would look new) nor crashes on it in a loop; it acts on
     nothing (the RayCluster stays the same object), keeps the status as it is, posts one StatusUnreadable warning
-    naming the field, and takes the job up again once the status is readable."""
+    naming the field, and takes the job up again once the status is readable; the same problem coming back later is
+    said again."""
     env.apply(env.job_manifest())
     env.wait_phase("Provisioning", timeout=30)
     rc = wait_for(lambda: env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray"), timeout=30,
@@ -551,6 +552,10 @@ def test_a_status_this_operator_cannot_read_leaves_the_job_alone_and_says_why(en
         c["type"] == "Reconciling" and c["status"] == "True" for c in s.get("conditions", [])), timeout=30,
         message="the job taken up again")
     assert env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray")["metadata"]["uid"] == rc["metadata"]["uid"]
+    # the same problem again after a reconcile read the status (~6 timer ticks later): said again
+    time.sleep(2.0)
+    env.kube.patch(RLTJ, "ml", "local-tiny", {"status": {"phase": "Preempted"}}, status=True)
+    wait_for(lambda: env.event_reasons().count("StatusUnreadable") == 2, timeout=30, message="a second warning")
 
 
 @pytest.mark.parametrize("phase", ["Preempted", ["Running"]], ids=["unknown-phase", "phase-not-a-string"])
