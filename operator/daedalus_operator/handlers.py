@@ -785,8 +785,9 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
                 result = "error"
                 _report_unreadable_status(rt, body, job.status_error, logger)
                 return None
-            with rt.guard:
-                rt.unreadable.pop(job.uid, None)
+            if job.uid in rt.unreadable:  # rare: no shared lock taken on every reconcile of every job
+                with rt.guard:
+                    rt.unreadable.pop(job.uid, None)
             observed = gather(rt, job, indexes)
             trainer = observed.trainer
             rt.children(job.uid).note_cluster(observed.cluster.exists)
