@@ -79,6 +79,12 @@ class NodeHealthStatus(str, enum.Enum):
     PENDING_REBOOT = "UnschedulablePendingReboot"
 
 
+#: NoSchedule taints that say a node is being emptied to be removed: Karpenter v1 (``karpenter.sh/disrupted``,
+#: sigs.k8s.io/karpenter pkg/apis/v1/taints.go) and v1beta1 (``karpenter.sh/disruption``), the Kubernetes cluster
+#: autoscaler (``ToBeDeletedByClusterAutoscaler``). ``kubectl drain`` and EKS managed node group updates cordon the
+#: node (``spec.unschedulable``) instead.
+DRAIN_TAINTS = frozenset({"karpenter.sh/disrupted", "karpenter.sh/disruption", "ToBeDeletedByClusterAutoscaler"})
+
 #: Node label of the instance type (well-known label, https://kubernetes.io/docs/reference/labels-annotations-taints/).
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 #: Extended resources (NVIDIA device plugin; AWS EFA device plugin).
@@ -153,6 +159,7 @@ class Reason(str, enum.Enum):
     # failures (lastFailure.reason, restarts_total{reason})
     NODE_REPLACEMENT = "NodeReplacement"
     NODE_REBOOT = "NodeReboot"
+    NODE_DRAIN = "NodeDrain"  # cordoned, tainted for removal (Karpenter, cluster-autoscaler) or being deleted
     NODE_LOST = "NodeLost"
     WORKER_LOST = "WorkerLost"
     HEAD_LOST = "HeadLost"
@@ -172,12 +179,13 @@ class Reason(str, enum.Enum):
 
 #: Failure reasons caused by infrastructure (the job is resumed; the application is not blamed).
 INFRASTRUCTURE_REASONS = frozenset({
-    Reason.NODE_REPLACEMENT, Reason.NODE_REBOOT, Reason.NODE_LOST, Reason.WORKER_LOST, Reason.HEAD_LOST,
-    Reason.CLUSTER_LOST, Reason.JOB_FAILED, Reason.JOB_STOPPED,
+    Reason.NODE_REPLACEMENT, Reason.NODE_REBOOT, Reason.NODE_DRAIN, Reason.NODE_LOST, Reason.WORKER_LOST,
+    Reason.HEAD_LOST, Reason.CLUSTER_LOST, Reason.JOB_FAILED, Reason.JOB_STOPPED,
 })
-#: Reasons announced ahead of time (HyperPod labels, suspend: a checkpoint is taken first) or restarts the user made
-#: (an invalid spec fixed): no restart backoff, no count against maxRestarts.
-PLANNED_REASONS = frozenset({Reason.NODE_REPLACEMENT, Reason.NODE_REBOOT, Reason.SUSPEND, Reason.SPEC_FIXED})
+#: Reasons announced ahead of time (HyperPod labels, a node drained or cordoned, suspend: a checkpoint is taken first)
+#: or restarts the user made (an invalid spec fixed): no restart backoff, no count against maxRestarts.
+PLANNED_REASONS = frozenset({Reason.NODE_REPLACEMENT, Reason.NODE_REBOOT, Reason.NODE_DRAIN, Reason.SUSPEND,
+                             Reason.SPEC_FIXED})
 
 
 class EventType(str, enum.Enum):
@@ -234,6 +242,11 @@ def secret_name(job: str) -> str:
 
 def network_policy_name(job: str) -> str:
     """Name of the job's NetworkPolicy (at most 63 characters)."""
+    return fit_name(f"{job}-ray")
+
+
+def disruption_budget_name(job: str) -> str:
+    """Name of the job's PodDisruptionBudget (at most 63 characters)."""
     return fit_name(f"{job}-ray")
 
 

@@ -91,7 +91,9 @@ class Children:
 
     ``present``: child kinds (``group/version/plural``) created here or answered 409 (exist); ``config_digest``:
     SHA-256 of the ConfigMap data last written or confirmed; ``cluster_created``: ``time.monotonic()`` of this process's RayCluster
-    create (``None`` when none is pending); ``cluster_seen``: the RayCluster has appeared in the kopf index since.
+    create (``None`` when none is pending); ``cluster_seen``: the RayCluster has appeared in the kopf index since;
+    ``budget``: the PodDisruptionBudget was made to exist (True) or not to (False) for ``checkpointOnDrain``
+    (``None``: not yet looked at by this process).
     A RayCluster that was seen and is gone from the index again was deleted (suspend, a terminal phase, by hand):
     the whole record is dropped and every child is ensured again. Lost on an operator restart (then the creates are
     answered 409 once, as before).
@@ -101,6 +103,7 @@ class Children:
     config_digest: str | None = None
     cluster_created: float | None = None
     cluster_seen: bool = False
+    budget: bool | None = None
 
     def note_cluster(self, exists: bool) -> None:
         """Account for the RayCluster as the kopf index shows it now."""
@@ -111,6 +114,7 @@ class Children:
         elif self.cluster_seen:  # seen, now gone: deleted; start over
             self.present.clear()
             self.config_digest = None
+            self.budget = None
             self.cluster_seen = False
             self.cluster_created = None
 
@@ -465,7 +469,9 @@ def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
     pods = _store_values(indexes.get("pods_by_job"), key)
     nodes = _all_values(indexes.get("nodes_by_name"))
     hyperpod = job.spec.resilience.hyper_pod if job.spec else False
-    health = node_health(pods, nodes, hyperpod=hyperpod, since=since, expected_pods=expected_pods(job, cluster))
+    drain = job.spec.resilience.checkpoint_on_drain if job.spec else False
+    health = node_health(pods, nodes, hyperpod=hyperpod, drain=drain, since=since,
+                         expected_pods=expected_pods(job, cluster))
 
     ray_job = RayJobObservation(RayJobState.NOT_FOUND)
     if st.submission_id:
@@ -508,9 +514,10 @@ def _token(rt: Runtime, job: JobView) -> str | None:
 
 
 def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> None:
-    """Create what is missing (ConfigMap, NetworkPolicy, Secret, RayCluster, in that order: the RayCluster's pods need
-    the ConfigMap and the Secret); bring the ConfigMap's data and the NetworkPolicy's spec up to date (the latter by
-    its digest annotation, once per operator process); never touch an existing Secret.
+    """Create what is missing (ConfigMap, NetworkPolicy, PodDisruptionBudget per :func:`disruption_budget_once`,
+    Secret, RayCluster, in that order: the RayCluster's pods need the ConfigMap and the Secret); bring the
+    ConfigMap's data and the NetworkPolicy's spec up to date (the latter by its digest annotation, once per operator
+    process); never touch an existing Secret.
 
     Children this process already created (or was told exist) are not created again (:class:`Children`): only the
     first ``EnsureChildren`` of a job costs API calls, later ones (the index lagging behind the new RayCluster, the
@@ -538,6 +545,7 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
         made.present.add(kube.CONFIGMAPS)
         made.config_digest = digest
     network_policy_once(rt, job)
+    disruption_budget_once(rt, job)
     for key, build in ((kube.SECRETS, lambda: resources.build_secret(job)),
                        (kube.RAYCLUSTERS, lambda: resources.build_raycluster(job, rt.settings))):
         if key in made.present:
@@ -569,6 +577,39 @@ def network_policy_once(rt: Runtime, job: JobView) -> None:
     if kube.NETWORKPOLICIES not in made.present:
         ensure_network_policy(rt.kube, resources.build_network_policy(job, rt.settings))
         made.present.add(kube.NETWORKPOLICIES)
+
+
+def disruption_budget_once(rt: Runtime, job: JobView) -> None:
+    """Make the job's PodDisruptionBudget (:func:`resources.build_disruption_budget`) exist when
+    ``spec.resilience.checkpointOnDrain`` is true and not exist when it is false; one API call when that wish differs
+    from what this process last made it (:attr:`Children.budget`), none otherwise, so it can run on every reconcile
+    and an edit of the field takes effect at once. An API server without policy/v1 (Kubernetes older than 1.21)
+    answers the create 404: logged once per job and process, and the job runs without the budget (a drain then
+    evicts its pods at once: an unplanned restart).
+
+    Raises:
+        kube.KubeError: the create failed other than with 409 Conflict or 404, or the delete other than with 404.
+        ValueError: the job's spec is invalid.
+    """
+    if job.spec is None:
+        raise ValueError(f"RLTrainingJob {job.namespace}/{job.name} has an invalid spec; nothing can be built")
+    made = rt.children(job.uid)
+    want = job.spec.resilience.checkpoint_on_drain
+    if made.budget == want:
+        return
+    name = api.disruption_budget_name(job.name)
+    if not want:
+        rt.kube.delete(kube.PDBS, job.namespace, name)
+    else:
+        try:
+            rt.kube.create(kube.PDBS, job.namespace, resources.build_disruption_budget(job))
+        except kube.KubeError as e:
+            if e.not_found:
+                log.warning(f"PodDisruptionBudget {job.namespace}/{name} not created: this API server does not serve "
+                            f"policy/v1 ({e}); a drain will evict the job's pods without waiting for a checkpoint")
+            elif not e.conflict:
+                raise
+    made.budget = want
 
 
 def ensure_network_policy(k: kube.KubeAPI, body: dict[str, Any]) -> None:
@@ -813,6 +854,10 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
                     network_policy_once(rt, job)
                 except kube.KubeError as e:
                     logger.warning(f"NetworkPolicy of {namespace}/{name}: {e}; will retry")
+                try:  # also follows an edit of spec.resilience.checkpointOnDrain while the job runs
+                    disruption_budget_once(rt, job)
+                except kube.KubeError as e:
+                    logger.warning(f"PodDisruptionBudget of {namespace}/{name}: {e}; will retry")
             error = None
             for action in last.actions:
                 try:
@@ -1174,6 +1219,7 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
             rt.ray.pop(cluster.dashboard_url, None)
     for key, child in ((kube.RAYSERVICES, api.rayservice_name(name)), (kube.RAYCLUSTERS, api.raycluster_name(name)),
                        (kube.NETWORKPOLICIES, api.network_policy_name(name)),
+                       (kube.PDBS, api.disruption_budget_name(name)),
                        (kube.CONFIGMAPS, api.config_map_name(name)), (kube.SECRETS, api.secret_name(name))):
         try:
             rt.kube.delete(key, namespace, child)

@@ -31,6 +31,7 @@ NODES = "v1/nodes"
 CONFIGMAPS = "v1/configmaps"
 SECRETS = "v1/secrets"
 NETWORKPOLICIES = "networking.k8s.io/v1/networkpolicies"
+PDBS = "policy/v1/poddisruptionbudgets"
 
 
 class KubeError(RuntimeError):

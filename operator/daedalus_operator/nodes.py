@@ -54,7 +54,8 @@ def format_time(value: dt.datetime) -> str:
 @dataclasses.dataclass(frozen=True)
 class NodeIssue:
     """A node under the job's pods that needs action: ``reason`` is NodeReplacement / NodeReboot (announced by
-    HyperPod) or NodeLost (gone, not Ready); ``pods`` are the job's pods on it."""
+    HyperPod), NodeDrain (cordoned, tainted for removal or being deleted) or NodeLost (gone, not Ready); ``pods`` are
+    the job's pods on it."""
 
     node: str
     reason: Reason
@@ -86,13 +87,14 @@ class NodeHealth:
     """Health of the nodes and pods under one job.
 
     Attributes:
-        announced: nodes HyperPod labelled UnschedulablePendingReplacement / UnschedulablePendingReboot.
+        announced: nodes HyperPod labelled UnschedulablePendingReplacement / UnschedulablePendingReboot, and (with
+            ``drain``) Ready nodes being emptied under pods not already being deleted (NodeDrain).
         lost_nodes: nodes that are gone or not Ready (``Ready`` condition False/Unknown).
         lost_pods: pods that failed, are being deleted, are not Ready, were (re)created after the attempt started, or
             are missing (fewer pods than the spec asks for). A not-Ready pod on a Ready node is listed at once; the
             planner tolerates it for a grace period (:meth:`within_grace`).
         bad_pods: names of pods on nodes that must not run them (announced, HyperPod-unschedulable, not Ready,
-            cordoned or gone), not already being deleted: deleted during recovery so that KubeRay recreates them on
+            draining or gone), not already being deleted: deleted during recovery so that KubeRay recreates them on
             good nodes.
         pods: number of the job's pods (not being deleted).
         ready_pods: how many of them are Running and Ready.
@@ -219,10 +221,27 @@ def hyperpod_status(node: Mapping[str, Any]) -> str | None:
     return _labels(node).get(api.HYPERPOD_HEALTH_LABEL)
 
 
+def node_draining(node: Mapping[str, Any]) -> str | None:
+    """Why the node is being emptied, in a few words, or ``None`` when it is not: being deleted
+    (``metadata.deletionTimestamp``: Karpenter's termination finalizer drains it first), tainted for removal
+    (:data:`api.DRAIN_TAINTS`, effect NoSchedule or NoExecute), or cordoned (``spec.unschedulable``: ``kubectl cordon``
+    and ``kubectl drain``, EKS managed node group updates). Checked in that order."""
+    spec = node.get("spec") or {}
+    if (node.get("metadata") or {}).get("deletionTimestamp"):
+        return "is being deleted"
+    for taint in spec.get("taints") or []:
+        if taint.get("key") in api.DRAIN_TAINTS and taint.get("effect") in ("NoSchedule", "NoExecute"):
+            return f"is tainted {taint['key']}:{taint['effect']} (to be removed)"
+    if spec.get("unschedulable"):
+        return "is cordoned"
+    return None
+
+
 def node_schedulable(node: Mapping[str, Any], *, hyperpod: bool) -> bool:
-    """True when a new job pod may be placed there: Ready, not cordoned, and (``hyperpod``) labelled Schedulable
-    (or not labelled at all: a node outside HyperPod's management)."""
-    if not node_ready(node) or (node.get("spec") or {}).get("unschedulable"):
+    """True when a new job pod may be placed there: Ready, not draining (:func:`node_draining`: cordoned, tainted for
+    removal, being deleted), and (``hyperpod``) labelled Schedulable (or not labelled at all: a node outside
+    HyperPod's management)."""
+    if not node_ready(node) or node_draining(node) is not None:
         return False
     if hyperpod:
         value = hyperpod_status(node)
@@ -317,6 +336,7 @@ def node_health(
     nodes: Mapping[str, Mapping[str, Any]],
     *,
     hyperpod: bool,
+    drain: bool = False,
     since: dt.datetime | None = None,
     expected_pods: int | None = None,
 ) -> NodeHealth:
@@ -326,6 +346,9 @@ def node_health(
         pods: Pod bodies labelled with the job (``daedalus.dev/job``).
         nodes: Node bodies by name (all nodes the operator knows; a pod's node missing here counts as lost).
         hyperpod: read the HyperPod health label (``spec.resilience.hyperPod``).
+        drain: a Ready node under live job pods that is being emptied (:func:`node_draining`: cordoned, tainted for
+            removal, being deleted) is announced as NodeDrain (``spec.resilience.checkpointOnDrain``). Either way its
+            pods are in ``bad_pods``.
         since: start of the current attempt; pods created after it replaced a member of the attempt. ``None``
             disables the check (no attempt running).
         expected_pods: head + worker replicas the RayCluster asks for; fewer pods counts as missing.
@@ -406,12 +429,15 @@ def node_health(
             bad_pods.extend(on_node)
             continue
         label = hyperpod_status(node) if hyperpod else None
+        draining = node_draining(node) if drain else None
         if label in ANNOUNCED:
             announced.append(NodeIssue(node_name, ANNOUNCED[label], f"node {node_name} is {label}", on_node))
         elif not node_ready(node):
             c = _condition(node, "Ready")
             state = c.get("status") if c else "missing"
             lost_nodes.append(NodeIssue(node_name, Reason.NODE_LOST, f"node {node_name} Ready={state}", on_node))
+        elif draining is not None and any(n not in deleting for n in on_node):
+            announced.append(NodeIssue(node_name, Reason.NODE_DRAIN, f"node {node_name} {draining}", on_node))
         if not node_schedulable(node, hyperpod=hyperpod):
             bad_pods.extend(on_node)
 

@@ -13,7 +13,7 @@ Lifecycle (DESIGN.md §3)::
 
     Pending -> Provisioning -> Running -> Succeeded
                     ^             |  \\
-                    |             |   Checkpointing (announced node replacement/reboot, hang, suspend)
+                    |             |   Checkpointing (announced node replacement/reboot, drain, hang, suspend)
                     |             v  /
                     +------- Recovering -> Failed (maxRestarts unplanned restarts exhausted)
                                   \\-> Suspended (spec.suspend) -> Provisioning (suspend: false)
@@ -24,6 +24,9 @@ Failure handling, in DESIGN order:
    immediate checkpoint (bounded by ``checkpointTimeoutSeconds``), stop the Ray job, delete the job's pods on nodes
    that must not run them (KubeRay recreates them; node affinity keeps them on ``Schedulable`` nodes), resubmit the
    next attempt with ``--resume latest`` once the cluster is ready again. No restart backoff: it is planned.
+   A node under the job being drained (cordoned, tainted for removal by Karpenter or the cluster autoscaler, being
+   deleted) is handled the same way with ``checkpointOnDrain`` (reason NodeDrain): the job's PodDisruptionBudget
+   refuses the drain's evictions until the operator has stopped the attempt and deleted the pods there itself.
 2. A worker pod or node is lost, or the Ray job fails/stops on its own: classify (node and pod evidence first, then the
    Ray job's message), stop what is left, resubmit with resume after an exponential backoff
    (``restartBackoffSeconds * 2**(failures-1)``, capped at 600 s) on the same RayCluster.
@@ -824,10 +827,13 @@ def _running(b: _Builder) -> Plan:
     issue = health.first_issue()
     if issue is not None:
         reason, node, message = issue
-        # Checkpoint first for an announced node, and for pods that stayed not Ready past their grace while every pod
-        # and node is still there (detected() asks only when the trainer answers its /status; else it stops at once).
-        announced = reason in (Reason.NODE_REPLACEMENT, Reason.NODE_REBOOT)
-        wants = (announced and b.spec.resilience.checkpoint_on_node_warning) or health.only_not_ready
+        # Checkpoint first for a node HyperPod announced, a node being drained (announced only with checkpointOnDrain;
+        # the PodDisruptionBudget holds the drain's evictions meanwhile), and for pods that stayed not Ready past their
+        # grace while every pod and node is still there (detected() asks only when the trainer answers its /status;
+        # else it stops at once).
+        hyperpod = reason in (Reason.NODE_REPLACEMENT, Reason.NODE_REBOOT)
+        wants = ((hyperpod and b.spec.resilience.checkpoint_on_node_warning) or reason == Reason.NODE_DRAIN
+                 or health.only_not_ready)
         return b.detected(reason, node, message, checkpoint=wants, job_active=True)
     idle = b.seconds_since(b.get("last_progress_time"))
     deadline = b.spec.resilience.progress_deadline_seconds

@@ -194,6 +194,42 @@ def build_network_policy(job: JobView, settings: OperatorSettings) -> dict[str, 
     }
 
 
+# ------------------------------------------------------------------------------------------------ PodDisruptionBudget
+def build_disruption_budget(job: JobView) -> dict[str, Any]:
+    """The job's PodDisruptionBudget (policy/v1, Kubernetes 1.21+): no voluntary eviction of the training RayCluster's
+    pods, selected by the job label and ``ray.io/cluster`` (serving pods are not held).
+
+    ``minAvailable`` is every pod of the RayCluster (head + worker replicas; ``spec.cluster`` is immutable), not
+    ``maxUnavailable: 0``: the disruption controller turns ``maxUnavailable`` into a pod count through the pods'
+    controller's scale subresource, which a RayCluster lacks (its status sync fails); an integer ``minAvailable`` is
+    the form Kubernetes supports for pods of an operator ("Arbitrary workloads and PDBs",
+    https://kubernetes.io/docs/tasks/run-application/configure-pdb/). Either way no disruption is allowed.
+
+    A drain (``kubectl drain``, an EKS managed node group update, Karpenter, the cluster autoscaler) evicts through
+    the Eviction API, which refuses while the budget allows no disruption; the drainer retries. Meanwhile the
+    operator sees the node being emptied (:func:`daedalus_operator.nodes.node_draining`), checkpoints, stops the
+    attempt and deletes the pods there itself (a delete is not an eviction), and the drain goes on.
+    ``unhealthyPodEvictionPolicy: AlwaysAllow`` (beta and on by default since 1.27, GA in 1.31; older servers drop
+    it) lets a pod that is not Ready be evicted at once: it holds no training state worth waiting for, and a wedged
+    pod must not block a node's drain.
+
+    Raises:
+        ValueError: the job's spec is invalid.
+    """
+    _spec(job)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(job, api.disruption_budget_name(job.name), "disruption-budget"),
+        "spec": {
+            "minAvailable": job.expected_pods,
+            "selector": {"matchLabels": {api.JOB_LABEL: job.name,
+                                         api.RAY_CLUSTER_LABEL: api.raycluster_name(job.name)}},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
 def spec_digest(spec: dict[str, Any]) -> str:
     """SHA-256 of a child's spec as the operator builds it (sorted JSON): what it wrote, whatever the server adds."""
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()

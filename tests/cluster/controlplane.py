@@ -7,9 +7,9 @@
   ``--authorization-mode=RBAC``, client-certificate authentication (an own CA made with ``cryptography``),
   and a service-account issuer with an RSA signing key (TokenRequest works; tokens are verified with the
   public key);
-- kube-controller-manager 1.20 with only the ``garbagecollector``, ``namespace``, ``serviceaccount-token`` and
-  ``serviceaccount`` controllers (owner-reference GC, namespace deletion, default ServiceAccounts and their
-  legacy token Secrets). There is no scheduler and no kubelet: pods stay Pending, and tests write status
+- kube-controller-manager 1.20 with only the ``garbagecollector``, ``namespace``, ``serviceaccount-token``,
+  ``serviceaccount`` and ``disruption`` controllers (owner-reference GC, namespace deletion, default ServiceAccounts
+  and their legacy token Secrets, PodDisruptionBudget status, which the Eviction API decides by). There is no scheduler and no kubelet: pods stay Pending, and tests write status
   themselves.
 
 It waits until ``/readyz`` answers ``ok`` and the controller manager has created the ``default`` ServiceAccount
@@ -53,7 +53,7 @@ from cryptography.x509.oid import NameOID
 
 DEFAULT_KUBE_VERSION = "1.20.2"
 #: The controllers the tests rely on (kube-controller-manager ``--controllers``).
-CONTROLLERS = ("garbagecollector", "namespace", "serviceaccount-token", "serviceaccount")
+CONTROLLERS = ("garbagecollector", "namespace", "serviceaccount-token", "serviceaccount", "disruption")
 #: Issuer written into service-account tokens (``--service-account-issuer``); also the only API audience.
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc"
 ADMIN_USER = "daedalus-admin"

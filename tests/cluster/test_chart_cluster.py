@@ -60,8 +60,8 @@ OPERATOR_CALLS = [
     ("patch", "daedalus.dev", "rltrainingjobs", "status"),
     # handlers.ensure_children / execute: the children, the token read-back, the ConfigMap update.
     *[("create", group, resource, "") for group, resource in (
-        ("", "configmaps"), ("", "secrets"), ("networking.k8s.io", "networkpolicies"), ("ray.io", "rayclusters"),
-        ("ray.io", "rayservices"))],
+        ("", "configmaps"), ("", "secrets"), ("networking.k8s.io", "networkpolicies"),
+        ("policy", "poddisruptionbudgets"), ("ray.io", "rayclusters"), ("ray.io", "rayservices"))],
     ("get", "", "configmaps", ""),
     ("patch", "", "configmaps", ""),
     ("get", "", "secrets", ""),
@@ -73,7 +73,8 @@ OPERATOR_CALLS = [
     ("delete", "", "pods", ""),
     # handlers.finalize: every child.
     *[("delete", group, resource, "") for group, resource in (
-        ("ray.io", "rayservices"), ("networking.k8s.io", "networkpolicies"), ("", "configmaps"), ("", "secrets"))],
+        ("ray.io", "rayservices"), ("networking.k8s.io", "networkpolicies"), ("policy", "poddisruptionbudgets"),
+        ("", "configmaps"), ("", "secrets"))],
     ("get", "ray.io", "rayclusters", ""),
 ]
 #: Calls the operator never makes and the chart must not grant (least privilege; also shows the review can say no).
@@ -89,6 +90,9 @@ NOT_GRANTED = [
     ("patch", "", "secrets", ""),
     *[(verb, "", "services", "") for verb in ("get", "list", "watch", "create", "patch", "delete")],
     ("list", "networking.k8s.io", "networkpolicies", ""),
+    # The PodDisruptionBudget is only created and deleted; recovery deletes pods, it never evicts them.
+    *[(verb, "policy", "poddisruptionbudgets", "") for verb in ("get", "list", "patch")],
+    ("create", "", "pods", "eviction"),
     # Nothing PUTs (kopf and the operator's client write with PATCH), reads a /status subresource, patches a Ray
     # object, GETs a pod, node or RayService, patches an Event or uses events.k8s.io.
     ("update", "daedalus.dev", "rltrainingjobs", ""),

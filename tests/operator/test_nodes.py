@@ -8,7 +8,7 @@ import pytest
 
 from daedalus_operator import api
 from daedalus_operator.api import Reason
-from daedalus_operator.nodes import format_time, node_health, node_schedulable, read_cluster
+from daedalus_operator.nodes import format_time, node_draining, node_health, node_schedulable, read_cluster
 
 T0 = dt.datetime(2026, 1, 1, 0, 0, 0, tzinfo=dt.timezone.utc)
 
@@ -59,6 +59,64 @@ def test_plain_unschedulable_label_is_not_a_trigger_but_pods_there_are_bad() -> 
     nodes = dict(NODES, b=node("b", "Unschedulable"))
     h = node_health([pod("h", "a", "head"), pod("w1", "b")], nodes, hyperpod=True, since=SINCE, expected_pods=2)
     assert h.first_issue() is None and h.bad_pods == ("w1",)
+
+
+def tainted(name: str, key: str, effect: str = "NoSchedule", **kw) -> dict:
+    n = node(name, **kw)
+    n["spec"]["taints"] = [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}, {"key": key, "effect": effect}]
+    return n
+
+
+def deleted(name: str) -> dict:
+    n = node(name)
+    n["metadata"]["deletionTimestamp"] = format_time(T0)
+    return n
+
+
+@pytest.mark.parametrize("body,why", [
+    (node("b", cordoned=True), "is cordoned"),
+    (tainted("b", "karpenter.sh/disrupted"), "is tainted karpenter.sh/disrupted:NoSchedule (to be removed)"),
+    (tainted("b", "karpenter.sh/disruption"), "is tainted karpenter.sh/disruption:NoSchedule (to be removed)"),
+    (tainted("b", "ToBeDeletedByClusterAutoscaler", "NoExecute"),
+     "is tainted ToBeDeletedByClusterAutoscaler:NoExecute (to be removed)"),
+    (deleted("b"), "is being deleted"),
+])
+def test_a_node_being_emptied_is_announced_as_a_drain(body: dict, why: str) -> None:
+    assert node_draining(body) == why
+    assert not node_schedulable(body, hyperpod=False)
+    nodes = dict(NODES, b=body)
+    pods = [pod("h", "a", "head"), pod("w1", "b")]
+    h = node_health(pods, nodes, hyperpod=True, drain=True, since=SINCE, expected_pods=2)
+    assert h.first_issue() == (Reason.NODE_DRAIN, "b", f"node b {why}")
+    assert [(i.node, i.pods) for i in h.announced] == [("b", ("w1",))]
+    assert h.bad_pods == ("w1",) and not h.lost_pods and not h.lost_nodes
+    # checkpointOnDrain false: training goes on there (no issue), but recovery would still move the pod
+    off = node_health(pods, nodes, hyperpod=True, drain=False, since=SINCE, expected_pods=2)
+    assert off.first_issue() is None and off.bad_pods == ("w1",)
+
+
+def test_what_is_not_a_drain() -> None:
+    # the scheduler's soft hint, a taint of another key, and a node without pods of the job
+    assert node_draining(tainted("b", "DeletionCandidateOfClusterAutoscaler", "PreferNoSchedule")) is None
+    assert node_draining(tainted("b", "nvidia.com/gpu")) is None and node_draining(node("b")) is None
+    h = node_health([pod("h", "a", "head"), pod("w1", "b")], dict(NODES, c=node("c", cordoned=True)), hyperpod=True,
+                    drain=True, since=SINCE, expected_pods=2)
+    assert h.first_issue() is None and h.bad_pods == ()
+
+
+def test_drain_gives_way_to_hyperpod_and_to_a_lost_node_and_ends_once_the_pods_go() -> None:
+    hp = node("b", "UnschedulablePendingReboot", cordoned=True)
+    h = node_health([pod("h", "a", "head"), pod("w1", "b")], dict(NODES, b=hp), hyperpod=True, drain=True,
+                    since=SINCE, expected_pods=2)
+    assert [i.reason for i in h.announced] == [Reason.NODE_REBOOT]
+    gone = node("b", ready="Unknown", cordoned=True)
+    h = node_health([pod("h", "a", "head"), pod("w1", "b")], dict(NODES, b=gone), hyperpod=True, drain=True,
+                    since=SINCE, expected_pods=2)
+    assert h.announced == () and [i.reason for i in h.lost_nodes] == [Reason.NODE_LOST]
+    # the operator deleted the pods there (recovery): nothing left to announce, the pod is lost as being deleted
+    h = node_health([pod("h", "a", "head"), pod("w1", "b", deleting=True)], dict(NODES, b=node("b", cordoned=True)),
+                    hyperpod=True, drain=True, since=SINCE, expected_pods=2)
+    assert h.announced == () and h.bad_pods == () and [i.reason for i in h.lost_pods] == ["PodDeleting", "PodMissing"]
 
 
 def test_node_not_ready_and_gone() -> None:

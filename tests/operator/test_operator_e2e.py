@@ -121,6 +121,34 @@ def test_node_replacement_checkpoints_stops_and_resumes_with_zero_lost_steps(env
     assert metric(text, 'daedalus_operator_job_restarts{job="local-tiny",namespace="ml"}') == 1.0
 
 
+def test_a_drained_node_is_checkpointed_off_with_zero_lost_steps(env: OperatorEnv) -> None:
+    """``kubectl drain`` cordons the node, then evicts; the job's PodDisruptionBudget refuses the evictions (the API
+    server's part: kmock has no Eviction API; tests/cluster/test_disruption_budget.py runs it on a real one) while the
+    operator, seeing the cordon, checkpoints, stops the attempt and deletes the pod there itself. A planned restart,
+    with no step lost."""
+    env.apply(env.job_manifest(algorithm__steps=STEPS, checkpoint__intervalSteps=INTERVAL))
+    env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= 6, timeout=120,
+                    message="attempt 1 stepping")
+    pdb = env.kube.get("policy/v1/poddisruptionbudgets", "ml", "local-tiny-ray")
+    assert pdb is not None and pdb["spec"]["minAvailable"] == 2  # head + 1 worker
+    (worker,) = env.kube.list("v1/pods", "ml", selector="ray.io/node-type=worker")
+    drained = worker["spec"]["nodeName"]
+    env.kube.patch("v1/nodes", None, drained, {"spec": {"unschedulable": True}})  # kubectl cordon
+    st = env.wait_status(lambda s: s.get("submissionId", "").endswith("-a2"), timeout=90, message="attempt 2")
+    assert st["restarts"] == 1 and st.get("plannedRestarts") == 1
+    st = env.wait_phase("Succeeded", timeout=120)
+    steps = attempts(env)
+    assert sorted(steps) == [1, 2] and min(steps[2]) == max(steps[1]) + 1, steps
+    rec = st["lastRecovery"]
+    assert rec["reason"] == "NodeDrain" and rec["lostSteps"] == 0, rec
+    assert st["currentStep"] == STEPS
+    moved = [n for n in env.fake.pods_created if "-cpu-worker-" in n and n != worker["metadata"]["name"]]
+    assert moved, env.fake.pods_created
+    reasons = env.wait_event_reasons("NodeDrain", "CheckpointTaken", "Resubmitted", "Succeeded")
+    assert reasons.index("NodeDrain") < reasons.index("CheckpointTaken") < reasons.index("Resubmitted"), reasons
+    print(f"\ndrain: recovery {rec['seconds']:.1f} s, lost steps 0 (attempt 1 stopped after step {max(steps[1])})")
+
+
 def test_killed_ray_job_resumes_from_the_last_periodic_checkpoint(env: OperatorEnv) -> None:
     job = env.apply(env.job_manifest(algorithm__steps=STEPS, checkpoint__intervalSteps=INTERVAL))
     env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= INTERVAL + 2, timeout=120,

@@ -26,7 +26,8 @@ from daedalus_operator import api
 ROOT = Path(__file__).resolve().parents[2]
 KUBERAY = KUBERAY_CRDS
 CHILDREN = [("v1/configmaps", "local-tiny-config"), ("v1/secrets", "local-tiny-control"),
-            ("networking.k8s.io/v1/networkpolicies", "local-tiny-ray"), ("ray.io/v1/rayclusters", "local-tiny-ray")]
+            ("networking.k8s.io/v1/networkpolicies", "local-tiny-ray"),
+            ("policy/v1/poddisruptionbudgets", "local-tiny-ray"), ("ray.io/v1/rayclusters", "local-tiny-ray")]
 
 
 @pytest.fixture()
@@ -225,8 +226,25 @@ def test_each_child_is_created_once(env: OperatorEnv) -> None:
                 not (r.headers or {}).get("User-Agent", "").startswith("python-requests"):
             creates[r.resource.plural] = creates.get(r.resource.plural, 0) + 1
     assert {k: v for k, v in creates.items() if k != "events"} == {
-        "configmaps": 1, "secrets": 1, "networkpolicies": 1, "rayclusters": 1}, creates
+        "configmaps": 1, "secrets": 1, "networkpolicies": 1, "poddisruptionbudgets": 1, "rayclusters": 1}, creates
     assert env.status()["phase"] == "Provisioning"
+
+
+def test_the_disruption_budget_follows_checkpoint_on_drain_while_the_job_lives(env: OperatorEnv) -> None:
+    """``spec.resilience.checkpointOnDrain`` is editable: false deletes the PodDisruptionBudget at the next reconcile,
+    true creates it again; nothing else of the job changes."""
+    key, name = "policy/v1/poddisruptionbudgets", "local-tiny-ray"
+    env.apply(env.job_manifest())
+    pdb = wait_for(lambda: env.kube.get(key, "ml", name), timeout=30, message="the PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 2  # the head and the one worker of local-tiny
+    assert pdb["spec"]["selector"]["matchLabels"] == {api.JOB_LABEL: "local-tiny", api.RAY_CLUSTER_LABEL: name}
+    env.kube.patch(RLTJ, "ml", "local-tiny", {"spec": {"resilience": {"checkpointOnDrain": False}}})
+    wait_for(lambda: env.kube.get(key, "ml", name) is None, timeout=30, message="the budget deleted")
+    env.kube.patch(RLTJ, "ml", "local-tiny", {"spec": {"resilience": {"checkpointOnDrain": True}}})
+    wait_for(lambda: env.kube.get(key, "ml", name), timeout=30, message="the budget created again")
+    assert env.kube.get("ray.io/v1/rayclusters", "ml", name) is not None
+    assert env.status()["phase"] == "Provisioning"
+    assert [e["reason"] for e in env.events() if e.get("type") == "Warning"] == []
 
 
 def test_a_job_waiting_for_its_raycluster_is_looked_at_when_the_raycluster_changes(env: OperatorEnv) -> None:

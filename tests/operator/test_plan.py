@@ -96,6 +96,8 @@ ANNOUNCED = NodeHealth(pods=2, ready_pods=2, bad_pods=("local-tiny-ray-cpu-worke
 REBOOT = dataclasses.replace(ANNOUNCED, announced=(
     NodeIssue("node-b", Reason.NODE_REBOOT, "node node-b is UnschedulablePendingReboot",
               ("local-tiny-ray-cpu-worker-abcde",)),))
+DRAIN = dataclasses.replace(ANNOUNCED, announced=(
+    NodeIssue("node-b", Reason.NODE_DRAIN, "node node-b is cordoned", ("local-tiny-ray-cpu-worker-abcde",)),))
 WORKER_LOST = NodeHealth(pods=2, ready_pods=1, lost_pods=(
     PodIssue("local-tiny-ray-cpu-worker-fghij", "node-c", "worker", "PodReplaced", "created after the attempt"),))
 HEAD_LOST = NodeHealth(pods=1, ready_pods=1, lost_pods=(PodIssue("", None, "head", "PodMissing", "no head pod"),))
@@ -254,6 +256,15 @@ ROWS = [
         obs(t=trainer(12, 10), health=REBOOT), Phase.RECOVERING, [p.StopJob(sid(1))],
         {"recovery": lambda r: r.reason == "NodeReboot" and r.stop_requested_at == format_time(NOW)},
         ["NodeReboot"], 2.0),
+    # A drained node (checkpointOnDrain: node_health announces it only then) is checkpointed before stopping even
+    # with checkpointOnNodeWarning false (that field is HyperPod's), and is planned: no backoff, no failure counted.
+    Row("running-node-drain-checkpoint",
+        job(running_status(restarts=3), resilience__checkpointOnNodeWarning=False, resilience__maxRestarts=3),
+        obs(t=trainer(12, 10), health=DRAIN), Phase.CHECKPOINTING, [p.RequestCheckpoint(sid(1), 12)],
+        {"recovery": lambda r: r.reason == "NodeDrain" and r.node == "node-b" and r.checkpoint_target_step == 12
+         and r.not_before is None and r.message == "node node-b is cordoned",
+         "last_failure": lambda f: f.reason == "NodeDrain", "consecutive_failures": 0},
+        ["NodeDrain"], 2.0),
     Row("running-node-replacement-trainer-unreachable", job(running_status(), resilience__hyperPod=True),
         obs(health=ANNOUNCED), Phase.RECOVERING, [p.StopJob(sid(1))],
         {"recovery": lambda r: r.step_at_detection == 12 and r.checkpoint_requested_at is None}, ["NodeReplacement"]),
@@ -476,6 +487,16 @@ ROWS = [
         {"attempt": 2, "submission_id": sid(2), "restarts": 1, "submission_confirmed": False,
          "recovery": lambda r: r.resubmitted_at == format_time(NOW) and r.resume_step == 12},
         ["Resubmitted"], 2.0, check=lambda plan: plan.restart_reason == "NodeReplacement"),
+    Row("recovering-resubmit-after-drain-is-planned",
+        job(running_status(phase="Recovering", recovery=dict(RECOVERING, reason="NodeDrain"), restarts=3),
+            resilience__maxRestarts=3),
+        obs(state=p.RayJobState.STOPPED), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(2), 2)],
+        {"attempt": 2, "restarts": 4, "planned_restarts": 1}, ["Resubmitted"], 2.0,
+        check=lambda plan: plan.restart_reason == "NodeDrain"),
+    Row("recovering-deletes-the-pods-on-a-drained-node",
+        job(running_status(phase="Recovering", recovery=dict(RECOVERING, reason="NodeDrain"))),
+        obs(state=p.RayJobState.STOPPED, health=DRAIN), Phase.RECOVERING,
+        [p.DeletePods(("local-tiny-ray-cpu-worker-abcde",))], {}, [], 2.0),
     Row("recovering-resubmit-after-head-loss-job-unknown",
         job(running_status(phase="Recovering", recovery=dict(RECOVERING, reason="HeadLost"))),
         obs(state=p.RayJobState.NOT_FOUND), Phase.RUNNING, [p.EnsureChildren(), p.Submit(sid(2), 2)], {},

@@ -196,10 +196,51 @@ def test_shared_mount_path() -> None:
 @pytest.mark.parametrize("example", [TINY, HYPERPOD])
 def test_builtin_kinds_validate_strictly(example: str) -> None:
     job = view(example)
-    for obj in (r.build_config_map(job), r.build_secret(job), r.build_network_policy(job, SETTINGS)):
+    for obj in (r.build_config_map(job), r.build_secret(job), r.build_network_policy(job, SETTINGS),
+                r.build_disruption_budget(job)):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         assert obj["metadata"]["ownerReferences"][0]["uid"] == job.uid
         assert obj["metadata"]["labels"][api.JOB_LABEL] == job.name
+
+
+def matches(selector: dict, labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels and matchExpressions In/NotIn/Exists/DoesNotExist) against a pod's labels."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        if not {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+                "Exists": key in labels, "DoesNotExist": key not in labels}[op]:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("example", [TINY, HYPERPOD])
+def test_the_disruption_budget_holds_every_training_pod_and_no_serving_pod(example: str) -> None:
+    """The PodDisruptionBudget's selector against the labels KubeRay gives the pods (the template's, plus
+    ``ray.io/cluster`` with the RayCluster's name; a RayService's RayCluster is named ``<rayservice>-<suffix>``)."""
+    job = view(example, serving__enabled=True)
+    pdb = r.build_disruption_budget(job)
+    rc = r.build_raycluster(job, SETTINGS)
+    # every pod KubeRay makes of the RayCluster: the head and each worker group's replicas (local-tiny 1 + 1,
+    # the HyperPod example 1 + 2)
+    assert pdb["spec"]["minAvailable"] == 1 + sum(g["replicas"] for g in rc["spec"]["workerGroupSpecs"]) \
+        == {TINY: 2, HYPERPOD: 3}[example]
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert pdb["metadata"]["name"] == api.disruption_budget_name(job.name)
+    training = [dict(t["metadata"]["labels"], **{api.RAY_CLUSTER_LABEL: rc["metadata"]["name"]})
+                for t in pod_templates(rc)]
+    rs = r.build_rayservice(job, "s3://b/exports")
+    serving = [dict(t["metadata"]["labels"], **{api.RAY_CLUSTER_LABEL: rs["metadata"]["name"] + "-raycluster-x1"})
+               for t in pod_templates(rs)]
+    assert len(training) == 1 + len(rc["spec"]["workerGroupSpecs"]) and serving
+    assert all(matches(pdb["spec"]["selector"], labels) for labels in training), training
+    assert not any(matches(pdb["spec"]["selector"], labels) for labels in serving), serving
+    # another job's pods in the same namespace are not held either
+    other = r.build_raycluster(view(example, name="other"), SETTINGS)
+    assert not any(matches(pdb["spec"]["selector"], dict(t["metadata"]["labels"],
+                                                         **{api.RAY_CLUSTER_LABEL: other["metadata"]["name"]}))
+                   for t in pod_templates(other))
 
 
 def test_builtin_validation_is_real() -> None:

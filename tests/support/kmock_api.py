@@ -70,12 +70,13 @@ DEFAULT_RESOURCES: dict[str, tuple[str, bool, bool]] = {
     "v1/services": ("Service", True, True),
     "events.k8s.io/v1/events": ("Event", True, False),
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, False),
+    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, False),
     "kopf.dev/v1/kopfpeerings": ("KopfPeering", True, False),
     "kopf.dev/v1/clusterkopfpeerings": ("ClusterKopfPeering", False, False),
     "coordination.k8s.io/v1/leases": ("Lease", True, False),
 }
 
-BUILTIN_GROUPS = {"", "events.k8s.io", "networking.k8s.io", "coordination.k8s.io"}
+BUILTIN_GROUPS = {"", "events.k8s.io", "networking.k8s.io", "coordination.k8s.io", "policy"}
 
 
 def _now() -> str:

@@ -445,6 +445,14 @@ class ResilienceSpec(_Model):
     RayCluster, e.g. after suspend and resume."""
     checkpoint_on_node_warning: bool = True
     """When HyperPod marks a node for replacement or reboot, checkpoint before stopping (zero lost steps)."""
+    checkpoint_on_drain: bool = True
+    """Treat a node under the job's pods that is being emptied (cordoned by `kubectl cordon`/`kubectl drain` or an
+    EKS managed node group update; tainted for removal by Karpenter or the cluster autoscaler; being deleted) like a
+    HyperPod announcement: checkpoint, stop, and bring the pods up elsewhere (a planned restart, reason NodeDrain).
+    The operator also keeps a PodDisruptionBudget (`minAvailable`: all of them; pods not Ready always evictable) over the
+    job's Ray pods, so a drain's evictions wait until the checkpoint is written and the operator has moved the pods
+    itself. `false`: no PodDisruptionBudget, and training goes on on a cordoned node until a drain evicts its pods
+    (an unplanned restart from the latest checkpoint). Editable while the job runs."""
     checkpoint_timeout_seconds: int = Field(300, ge=1, le=86_400, strict=True)
     """How long to wait for a requested checkpoint before stopping anyway."""
     progress_deadline_seconds: int = Field(1800, ge=30, le=604_800, strict=True)

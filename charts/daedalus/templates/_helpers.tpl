@@ -113,7 +113,7 @@ cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync 
   resources: ["secrets"]
   verbs: ["get", "create", "delete"]
 # The job's Ray pods (kopf index), to map them onto nodes and notice lost heads/workers.
-# delete: move pods off nodes HyperPod is replacing (KubeRay recreates them on Schedulable nodes).
+# delete: move pods off nodes HyperPod is replacing or a drain is emptying (KubeRay recreates them elsewhere).
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch", "delete"]
@@ -126,6 +126,11 @@ cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync 
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create", "patch", "delete"]
+# PodDisruptionBudget holding a drain's evictions of the training pods until the operator has checkpointed
+# (spec.resilience.checkpointOnDrain; created, deleted when the field turns false and by the finalizer).
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["create", "delete"]
 {{- end }}
 
 {{/* Cluster-scoped resources: needed in both modes. */}}
