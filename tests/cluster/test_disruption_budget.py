@@ -3,8 +3,11 @@ operator builds holds a drain's evictions of the training pods, and only theirs.
 
 1.20 serves PodDisruptionBudgets and Evictions as policy/v1beta1 only (policy/v1 came in 1.21), so the budget is
 created here as v1beta1 with the same spec, less ``unhealthyPodEvictionPolicy`` (1.26+). The pods are made from the
-RayCluster's templates as KubeRay makes them (its labels, a controller owner reference to the RayCluster) and given a
-kubelet's Running/Ready status, since there is no kubelet here.
+RayCluster's templates with the labels KubeRay gives them and a kubelet's Running/Ready status, since there is no
+kubelet here. They carry no owner reference to a RayCluster: in a full run of this tier (session 29), pods given one
+were deleted moments after their creation (their status write answered 404; not pinned down further: the garbage
+collector is the one controller here that deletes pods). An integer ``minAvailable`` counts the pods that match,
+whoever owns them.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ from __future__ import annotations
 import copy
 import time
 
-import pytest
-from cluster_support import example, wait_for
+from cluster_support import example, load_yaml, wait_for
 from daedalus_trainer.config import RLTrainingJobStatus, parse_job
+from kuberay import KUBERAY_CRDS
 from kmock_api import ApiError
 from pod_security import kuberay_pod_spec
 
@@ -42,9 +45,7 @@ def v1beta1(pdb: dict) -> dict:
 
 
 def ray_pods(admin, namespace: str, rc: dict) -> list[str]:
-    """Create the RayCluster's pods as KubeRay does, Running and Ready; their names."""
-    owner = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": rc["metadata"]["name"],
-             "uid": rc["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+    """Create the pods of RayCluster ``rc`` (a body as built) with KubeRay's labels, Running and Ready; their names."""
     groups = [("head", "head", rc["spec"]["headGroupSpec"]["template"], 1)] + [
         ("worker", g["groupName"], g["template"], g["replicas"]) for g in rc["spec"]["workerGroupSpecs"]]
     names = []
@@ -55,7 +56,7 @@ def ray_pods(admin, namespace: str, rc: dict) -> list[str]:
                       api.RAY_NODE_TYPE_LABEL: role, api.RAY_GROUP_LABEL: group}
             admin.create("v1/pods", namespace, {
                 "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "labels": labels, "ownerReferences": [owner]},
+                "metadata": {"name": name, "labels": labels},
                 "spec": kuberay_pod_spec(template["spec"], worker=role == "worker")})
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             admin.patch("v1/pods", namespace, name, {"status": {"phase": "Running", "conditions": [
@@ -76,8 +77,7 @@ def evict(admin, namespace: str, pod: str) -> int:
 
 def test_the_budget_refuses_a_drain_s_evictions_of_the_training_pods_and_only_theirs(admin, namespace) -> None:
     job = view(example("local-tiny.yaml", namespace))
-    rc = admin.create("ray.io/v1/rayclusters", namespace, resources.build_raycluster(job, SETTINGS))
-    pods = ray_pods(admin, namespace, rc)
+    pods = ray_pods(admin, namespace, resources.build_raycluster(job, SETTINGS))
     assert len(pods) == 2
     admin.create(PDBS, namespace, v1beta1(resources.build_disruption_budget(job)))
     # another job's pod in the same namespace, and a pod of this job's serving RayService
@@ -107,11 +107,13 @@ def test_the_budget_refuses_a_drain_s_evictions_of_the_training_pods_and_only_th
 
 
 def test_max_unavailable_would_leave_the_budget_unsynced_for_raycluster_pods(admin, namespace) -> None:
-    """Why ``minAvailable``: with ``maxUnavailable`` the disruption controller needs the pods' controller's scale
-    subresource to count them, and a RayCluster has none; the budget's status is never computed."""
+    """Why ``minAvailable``: with ``maxUnavailable`` the disruption controller counts the pods through their
+    controller's scale subresource. KubeRay's RayCluster CRD has none, and pods without a scalable controller leave
+    the budget's status uncomputed (shown here with pods that have no controller at all)."""
+    crd = load_yaml(KUBERAY_CRDS / "ray.io_rayclusters.yaml")
+    assert all("scale" not in (v.get("subresources") or {}) for v in crd["spec"]["versions"])
     job = view(example("local-tiny.yaml", namespace))
-    rc = admin.create("ray.io/v1/rayclusters", namespace, resources.build_raycluster(job, SETTINGS))
-    ray_pods(admin, namespace, rc)
+    ray_pods(admin, namespace, resources.build_raycluster(job, SETTINGS))
     body = v1beta1(resources.build_disruption_budget(job))
     body["spec"]["maxUnavailable"] = 0
     del body["spec"]["minAvailable"]

@@ -120,7 +120,8 @@ def owner_ref(job: dict) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ the examples
-def test_examples_reach_their_documented_state_with_the_charts_service_account(operator, jobs, admin, namespace):
+def test_examples_reach_their_documented_state_with_the_charts_service_account(operator, jobs, admin, namespace,
+                                                                             control_plane):
     tiny = jobs.create(example(TINY, namespace))
     hyper = jobs.create(example(HYPERPOD, namespace))
     # the real CRD defaulted what the examples leave out (structural-schema defaulting)
@@ -154,7 +155,8 @@ def test_examples_reach_their_documented_state_with_the_charts_service_account(o
                      {"matchExpressions": [{"key": api.HYPERPOD_HEALTH_LABEL, "operator": "In",
                                             "values": ["Schedulable"]}]}]
     # steady state: nothing is rewritten, so every status field the operator wrote came back unpruned
-    steady_status(admin, jobs, [tiny["metadata"]["name"], hyper["metadata"]["name"]], seconds=6 * operator.poll)
+    steady_status(admin, jobs, [tiny["metadata"]["name"], hyper["metadata"]["name"]], seconds=6 * operator.poll,
+                  plane=control_plane)
     # deletion with the operator running: the finalizer deletes the children and lets go
     admin.delete(kube.RLTJ, namespace, "local-tiny")
     wait_for(lambda: jobs.get("local-tiny") is None, timeout=30, message="local-tiny to be deleted")
@@ -162,7 +164,8 @@ def test_examples_reach_their_documented_state_with_the_charts_service_account(o
     assert jobs.status(hyper["metadata"]["name"])["phase"] == "Provisioning"  # the other job is untouched
 
 
-def test_a_container_the_kubelet_cannot_start_is_quoted_in_the_job_s_conditions(operator, jobs, admin, namespace):
+def test_a_container_the_kubelet_cannot_start_is_quoted_in_the_job_s_conditions(operator, jobs, admin, namespace,
+                                                                                 control_plane):
     """The RayCluster's head pod, made from its template as KubeRay makes it (with the restricted securityContext the
     operator built, which the real server stores), and given the status a kubelet writes for a root image under
     ``runAsNonRoot``: the Provisioning job's Reconciling and Ready conditions quote the kubelet, and say it once (no
@@ -194,7 +197,7 @@ def test_a_container_the_kubelet_cannot_start_is_quoted_in_the_job_s_conditions(
         assert quoted in {c["type"]: c for c in st["conditions"]}["Ready"]["message"]
         # a reconcile that planned from the body before that write may still send its own (answered 409); then quiet
         time.sleep(4 * operator.poll)
-        steady_status(admin, jobs, [name], seconds=4 * operator.poll)
+        steady_status(admin, jobs, [name], seconds=4 * operator.poll, plane=control_plane)
     finally:
         admin.force_delete("v1/pods", namespace, pod_name)
 
@@ -460,7 +463,7 @@ def test_a_full_job_succeeds_through_a_hyperpod_node_replacement(ray_head, opera
     reasons = [e["reason"] for e in jobs.events("local-tiny")]
     for reason in ("Provisioning", "Submitted", "NodeReplacement", "Resubmitted", "Recovered", "Succeeded"):
         assert reason in reasons, reasons
-    steady_status(admin, jobs, ["local-tiny"], seconds=6 * operator.poll)
+    steady_status(admin, jobs, ["local-tiny"], seconds=6 * operator.poll, plane=control_plane)
     columns, rows = admin.table(kube.RLTJ, namespace)
     assert [r[:4] + r[5:6] for r in rows] == [["local-tiny", "Succeeded", 24, 24, 1]], rows
     shown.get("after Succeeded")
