@@ -79,11 +79,18 @@ class NodeHealthStatus(str, enum.Enum):
     PENDING_REBOOT = "UnschedulablePendingReboot"
 
 
-#: NoSchedule taints that say a node is being emptied to be removed: Karpenter v1 (``karpenter.sh/disrupted``,
-#: sigs.k8s.io/karpenter pkg/apis/v1/taints.go) and v1beta1 (``karpenter.sh/disruption``), the Kubernetes cluster
-#: autoscaler (``ToBeDeletedByClusterAutoscaler``). ``kubectl drain`` and EKS managed node group updates cordon the
-#: node (``spec.unschedulable``) instead.
-DRAIN_TAINTS = frozenset({"karpenter.sh/disrupted", "karpenter.sh/disruption", "ToBeDeletedByClusterAutoscaler"})
+#: Taints (key -> the value that counts, ``None``: any) that say a node is being emptied to be removed: Karpenter v1
+#: (``karpenter.sh/disrupted``, sigs.k8s.io/karpenter pkg/apis/v1/taints.go) and v1beta1 (``karpenter.sh/disruption``),
+#: the Kubernetes cluster autoscaler (``ToBeDeletedByClusterAutoscaler``), and an EKS managed node group update, which
+#: taints every node of the old version ``eks.amazonaws.com/nodegroup=unschedulable:NoSchedule`` before it evicts their
+#: pods and cordons each only once it is empty ("Understand each phase of node updates", Amazon EKS user guide).
+#: ``kubectl drain`` cordons the node (``spec.unschedulable``) instead.
+DRAIN_TAINTS: dict[str, str | None] = {
+    "karpenter.sh/disrupted": None,
+    "karpenter.sh/disruption": None,
+    "ToBeDeletedByClusterAutoscaler": None,
+    "eks.amazonaws.com/nodegroup": "unschedulable",
+}
 
 #: Node label of the instance type (well-known label, https://kubernetes.io/docs/reference/labels-annotations-taints/).
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"

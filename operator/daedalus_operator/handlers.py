@@ -545,7 +545,11 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
         made.present.add(kube.CONFIGMAPS)
         made.config_digest = digest
     network_policy_once(rt, job)
-    disruption_budget_once(rt, job)
+    try:  # a safety net, not needed to train: a refusal (RBAC, a quota, a policy webhook) must not stop the job
+        disruption_budget_once(rt, job)
+    except kube.KubeError as e:
+        log.warning(f"PodDisruptionBudget of {job.namespace}/{job.name}: {e}; will retry (a drain meanwhile evicts "
+                    f"the job's pods without waiting for a checkpoint)")
     for key, build in ((kube.SECRETS, lambda: resources.build_secret(job)),
                        (kube.RAYCLUSTERS, lambda: resources.build_raycluster(job, rt.settings))):
         if key in made.present:
@@ -585,7 +589,9 @@ def disruption_budget_once(rt: Runtime, job: JobView) -> None:
     from what this process last made it (:attr:`Children.budget`), none otherwise, so it can run on every reconcile
     and an edit of the field takes effect at once. An API server without policy/v1 (Kubernetes older than 1.21)
     answers the create 404: logged once per job and process, and the job runs without the budget (a drain then
-    evicts its pods at once: an unplanned restart).
+    evicts its pods at once: an unplanned restart). ``DeleteCluster`` deletes the budget with the RayCluster (it holds
+    no pod then) and forgets it here, as :meth:`Children.note_cluster` does when the RayCluster is seen gone. A
+    budget deleted by hand while its RayCluster lives comes back with the next RayCluster or operator start.
 
     Raises:
         kube.KubeError: the create failed other than with 409 Conflict or 404, or the delete other than with 404.
@@ -654,6 +660,10 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
         made = rt.children(job.uid)
         made.present.discard(kube.RAYCLUSTERS)
         made.cluster_created = None
+        # the budget holds no pod without the cluster (suspended, ended, recreated): gone with it, made again by the
+        # EnsureChildren of the next cluster
+        k.delete(kube.PDBS, job.namespace, api.disruption_budget_name(job.name))
+        made.budget = None
     elif isinstance(action, Submit):
         if not c.dashboard_url:
             raise RayUnreachable("no head address to submit to")
@@ -854,10 +864,11 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
                     network_policy_once(rt, job)
                 except kube.KubeError as e:
                     logger.warning(f"NetworkPolicy of {namespace}/{name}: {e}; will retry")
-                try:  # also follows an edit of spec.resilience.checkpointOnDrain while the job runs
-                    disruption_budget_once(rt, job)
-                except kube.KubeError as e:
-                    logger.warning(f"PodDisruptionBudget of {namespace}/{name}: {e}; will retry")
+                if not observed.cluster.deleting:  # follows an edit of spec.resilience.checkpointOnDrain at once
+                    try:
+                        disruption_budget_once(rt, job)
+                    except kube.KubeError as e:
+                        logger.warning(f"PodDisruptionBudget of {namespace}/{name}: {e}; will retry")
             error = None
             for action in last.actions:
                 try:

@@ -224,14 +224,18 @@ def hyperpod_status(node: Mapping[str, Any]) -> str | None:
 def node_draining(node: Mapping[str, Any]) -> str | None:
     """Why the node is being emptied, in a few words, or ``None`` when it is not: being deleted
     (``metadata.deletionTimestamp``: Karpenter's termination finalizer drains it first), tainted for removal
-    (:data:`api.DRAIN_TAINTS`, effect NoSchedule or NoExecute), or cordoned (``spec.unschedulable``: ``kubectl cordon``
-    and ``kubectl drain``, EKS managed node group updates). Checked in that order."""
+    (:data:`api.DRAIN_TAINTS`, effect NoSchedule or NoExecute: Karpenter, the cluster autoscaler, an EKS managed node
+    group update), or cordoned (``spec.unschedulable``: ``kubectl cordon`` and ``kubectl drain``). Checked in that
+    order."""
     spec = node.get("spec") or {}
     if (node.get("metadata") or {}).get("deletionTimestamp"):
         return "is being deleted"
     for taint in spec.get("taints") or []:
-        if taint.get("key") in api.DRAIN_TAINTS and taint.get("effect") in ("NoSchedule", "NoExecute"):
-            return f"is tainted {taint['key']}:{taint['effect']} (to be removed)"
+        key = taint.get("key")
+        if key in api.DRAIN_TAINTS and taint.get("effect") in ("NoSchedule", "NoExecute") and \
+                api.DRAIN_TAINTS[key] in (None, taint.get("value")):
+            shown = key if api.DRAIN_TAINTS[key] is None else f"{key}={taint.get('value')}"
+            return f"is tainted {shown}:{taint['effect']} (to be removed)"
     if spec.get("unschedulable"):
         return "is cordoned"
     return None

@@ -748,3 +748,88 @@ def test_missing_workers_are_counted_against_the_raycluster_not_an_edited_spec()
     observed = gather(_rt(), job, indexes)
     assert observed.health.first_issue() == (Reason.WORKER_LOST, None,
                                              "worker pod (missing): fewer worker pods than the spec asks for")
+
+
+# ------------------------------------------------------------------------------------------------ PodDisruptionBudget
+class BudgetAPI:
+    """The PodDisruptionBudget calls of ``disruption_budget_once``, answered from a dict of names, or with the error
+    ``fail`` (status, reason) while it is set; each call is recorded as ``(verb, name)``."""
+
+    def __init__(self, *, fail: tuple[int, str] | None = None, exists: bool = False):
+        self.fail = fail
+        self.objects: dict[str, dict] = {}
+        self.calls: list[tuple[str, str]] = []
+        if exists:
+            self.objects[api.disruption_budget_name("local-tiny")] = {}
+
+    def create(self, key: str, namespace: str, body: dict) -> dict:
+        from daedalus_operator import kube
+
+        assert key == kube.PDBS and namespace == "ml"
+        name = body["metadata"]["name"]
+        self.calls.append(("create", name))
+        if self.fail:
+            raise kube.KubeError(*self.fail, "refused")
+        if name in self.objects:
+            raise kube.KubeError(409, "AlreadyExists", "exists")
+        self.objects[name] = body
+        return body
+
+    def delete(self, key: str, namespace: str, name: str) -> bool:
+        from daedalus_operator import kube
+
+        assert key == kube.PDBS and namespace == "ml"
+        self.calls.append(("delete", name))
+        if self.fail:
+            raise kube.KubeError(*self.fail, "refused")
+        return self.objects.pop(name, None) is not None
+
+
+def _job_with(checkpoint_on_drain: bool):
+    doc = yaml.safe_load((ROOT / "examples" / "local-tiny.yaml").read_text())
+    doc["metadata"].update(namespace="ml", uid="0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", generation=1)
+    doc["spec"].setdefault("resilience", {})["checkpointOnDrain"] = checkpoint_on_drain
+    return job_view(doc)
+
+
+def test_the_disruption_budget_is_made_once_and_follows_the_field() -> None:
+    from daedalus_operator.handlers import disruption_budget_once
+
+    rt, name = _rt(), api.disruption_budget_name("local-tiny")
+    rt.kube = BudgetAPI(exists=True)  # an operator restart: the budget is there, one 409, then nothing
+    for _ in range(3):
+        disruption_budget_once(rt, _job_with(True))
+    assert rt.kube.calls == [("create", name)]
+    disruption_budget_once(rt, _job_with(False))
+    disruption_budget_once(rt, _job_with(False))
+    assert rt.kube.calls[1:] == [("delete", name)] and name not in rt.kube.objects
+    disruption_budget_once(rt, _job_with(True))
+    assert rt.kube.calls[2:] == [("create", name)]
+    assert rt.kube.objects[name]["spec"]["minAvailable"] == 2
+    # the RayCluster seen and then gone (suspended, deleted): forgotten, made again with the next one
+    rt.children(_job_with(True).uid).note_cluster(True)
+    rt.children(_job_with(True).uid).note_cluster(False)
+    disruption_budget_once(rt, _job_with(True))
+    assert rt.kube.calls[3:] == [("create", name)]
+
+
+def test_a_server_without_policy_v1_is_told_once_and_a_refusal_is_retried(caplog) -> None:
+    from daedalus_operator import kube
+    from daedalus_operator.handlers import disruption_budget_once
+
+    rt = _rt()
+    rt.kube = BudgetAPI(fail=(404, "NotFound"))  # Kubernetes 1.20: no policy/v1
+    with caplog.at_level(logging.WARNING, logger="daedalus_operator.handlers"):
+        disruption_budget_once(rt, _job_with(True))
+        disruption_budget_once(rt, _job_with(True))
+    assert len(rt.kube.calls) == 1
+    assert [r.getMessage() for r in caplog.records if "does not serve policy/v1" in r.getMessage()] != []
+    rt = _rt()
+    rt.kube = BudgetAPI(fail=(403, "Forbidden"))  # RBAC not updated: an error, asked again next time
+    for _ in range(2):
+        with pytest.raises(kube.KubeError):
+            disruption_budget_once(rt, _job_with(True))
+    assert len(rt.kube.calls) == 2
+    rt.kube.fail = None
+    disruption_budget_once(rt, _job_with(True))
+    assert len(rt.kube.calls) == 3 and rt.kube.objects

@@ -61,9 +61,10 @@ def test_plain_unschedulable_label_is_not_a_trigger_but_pods_there_are_bad() -> 
     assert h.first_issue() is None and h.bad_pods == ("w1",)
 
 
-def tainted(name: str, key: str, effect: str = "NoSchedule", **kw) -> dict:
+def tainted(name: str, key: str, effect: str = "NoSchedule", value: str | None = None, **kw) -> dict:
     n = node(name, **kw)
-    n["spec"]["taints"] = [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}, {"key": key, "effect": effect}]
+    n["spec"]["taints"] = [{"key": "nvidia.com/gpu", "effect": "NoSchedule"},
+                           {"key": key, "effect": effect, **({"value": value} if value is not None else {})}]
     return n
 
 
@@ -79,6 +80,8 @@ def deleted(name: str) -> dict:
     (tainted("b", "karpenter.sh/disruption"), "is tainted karpenter.sh/disruption:NoSchedule (to be removed)"),
     (tainted("b", "ToBeDeletedByClusterAutoscaler", "NoExecute"),
      "is tainted ToBeDeletedByClusterAutoscaler:NoExecute (to be removed)"),
+    (tainted("b", "eks.amazonaws.com/nodegroup", value="unschedulable"),
+     "is tainted eks.amazonaws.com/nodegroup=unschedulable:NoSchedule (to be removed)"),
     (deleted("b"), "is being deleted"),
 ])
 def test_a_node_being_emptied_is_announced_as_a_drain(body: dict, why: str) -> None:
@@ -99,6 +102,8 @@ def test_what_is_not_a_drain() -> None:
     # the scheduler's soft hint, a taint of another key, and a node without pods of the job
     assert node_draining(tainted("b", "DeletionCandidateOfClusterAutoscaler", "PreferNoSchedule")) is None
     assert node_draining(tainted("b", "nvidia.com/gpu")) is None and node_draining(node("b")) is None
+    # the EKS node group key with another value is a user's taint, not an update's
+    assert node_draining(tainted("b", "eks.amazonaws.com/nodegroup", value="gpu")) is None
     h = node_health([pod("h", "a", "head"), pod("w1", "b")], dict(NODES, c=node("c", cordoned=True)), hyperpod=True,
                     drain=True, since=SINCE, expected_pods=2)
     assert h.first_issue() is None and h.bad_pods == ()

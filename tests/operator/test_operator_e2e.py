@@ -126,7 +126,8 @@ def test_a_drained_node_is_checkpointed_off_with_zero_lost_steps(env: OperatorEn
     server's part: kmock has no Eviction API; tests/cluster/test_disruption_budget.py runs it on a real one) while the
     operator, seeing the cordon, checkpoints, stops the attempt and deletes the pod there itself. A planned restart,
     with no step lost."""
-    env.apply(env.job_manifest(algorithm__steps=STEPS, checkpoint__intervalSteps=INTERVAL))
+    steps_total = 24
+    env.apply(env.job_manifest(algorithm__steps=steps_total, checkpoint__intervalSteps=INTERVAL))
     env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= 6, timeout=120,
                     message="attempt 1 stepping")
     pdb = env.kube.get("policy/v1/poddisruptionbudgets", "ml", "local-tiny-ray")
@@ -141,7 +142,7 @@ def test_a_drained_node_is_checkpointed_off_with_zero_lost_steps(env: OperatorEn
     assert sorted(steps) == [1, 2] and min(steps[2]) == max(steps[1]) + 1, steps
     rec = st["lastRecovery"]
     assert rec["reason"] == "NodeDrain" and rec["lostSteps"] == 0, rec
-    assert st["currentStep"] == STEPS
+    assert st["currentStep"] == steps_total
     moved = [n for n in env.fake.pods_created if "-cpu-worker-" in n and n != worker["metadata"]["name"]]
     assert moved, env.fake.pods_created
     reasons = env.wait_event_reasons("NodeDrain", "CheckpointTaken", "Resubmitted", "Succeeded")
@@ -275,11 +276,14 @@ def test_suspend_checkpoints_frees_the_cluster_and_resume_continues(env: Operato
     wait_for(lambda: env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray") is None, timeout=30,
              message="the RayCluster to be deleted while suspended")
     wait_for(lambda: not env.kube.list("v1/pods", "ml"), timeout=30, message="the pods to be collected")
+    pdb = "policy/v1/poddisruptionbudgets"
+    assert env.kube.get(pdb, "ml", "local-tiny-ray") is None  # gone with the RayCluster: it would hold nothing
     suspended_at = max(attempts(env)[1])
     assert st["latestCheckpoint"]["step"] == suspended_at  # checkpointed right where it stopped
     time.sleep(1.0)
     assert max(attempts(env)[1]) == suspended_at  # nothing runs while suspended
     env.kube.patch("daedalus.dev/v1alpha1/rltrainingjobs", "ml", "local-tiny", {"spec": {"suspend": False}})
+    wait_for(lambda: env.kube.get(pdb, "ml", "local-tiny-ray"), timeout=60, message="the budget back on resume")
     st = env.wait_phase("Succeeded", timeout=150)
     steps = attempts(env)
     assert min(steps[2]) == suspended_at + 1 and steps[2][-1] == STEPS  # zero lost steps across the suspension

@@ -247,6 +247,20 @@ def test_the_disruption_budget_follows_checkpoint_on_drain_while_the_job_lives(e
     assert [e["reason"] for e in env.events() if e.get("type") == "Warning"] == []
 
 
+def test_a_refused_disruption_budget_does_not_hold_the_job_back(env: OperatorEnv) -> None:
+    """The budget is a safety net: while its create is refused (here 403, as with a Role not updated, a quota or a
+    policy webhook) the other children and the RayCluster are still made, and the budget follows once it is let."""
+    refused = env.api.fault("POST", "poddisruptionbudgets", status=403, times=10_000)
+    env.apply(env.job_manifest())
+    wait_for(lambda: env.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray"), timeout=30,
+             message="the RayCluster despite the refused budget")
+    assert env.status()["phase"] == "Provisioning" and refused.hits >= 1
+    assert env.kube.get("policy/v1/poddisruptionbudgets", "ml", "local-tiny-ray") is None
+    refused.times = 0  # the server lets it now: the next reconcile makes it
+    wait_for(lambda: env.kube.get("policy/v1/poddisruptionbudgets", "ml", "local-tiny-ray"), timeout=30,
+             message="the budget once the server takes it")
+
+
 def test_a_job_waiting_for_its_raycluster_is_looked_at_when_the_raycluster_changes(env: OperatorEnv) -> None:
     """The default poll budget: a Provisioning job whose RayCluster is not ready and that has nothing to do is quiet;
     the timer's ticks skip it (no requests) until the RayCluster changes, then the next tick reconciles it."""

@@ -178,6 +178,14 @@ ROWS = [
     Row("provisioning-pod-on-bad-node", job({"phase": "Provisioning"}),
         obs(READY, p.RayJobState.NOT_FOUND, health=NodeHealth(pods=2, ready_pods=2, bad_pods=("w-1",))),
         Phase.PROVISIONING, [p.DeletePods(("w-1",))], {}, [], 2.0),
+    # a node drained before the first submission: its pod is moved and nothing is submitted meanwhile (DRAIN has the
+    # pod in bad_pods and the node announced)
+    Row("provisioning-pod-on-drained-node", job({"phase": "Provisioning"}),
+        obs(READY, p.RayJobState.NOT_FOUND, health=DRAIN), Phase.PROVISIONING,
+        [p.DeletePods(("local-tiny-ray-cpu-worker-abcde",))], {}, [], 2.0),
+    Row("provisioning-drained-node-pods-going-waits", job({"phase": "Provisioning"}),
+        obs(READY, p.RayJobState.NOT_FOUND, health=dataclasses.replace(DRAIN, bad_pods=())), Phase.PROVISIONING,
+        [], {}, [], 2.0),
     # the same for the first cluster: a pod Running but never Ready on a good node (a raylet that cannot join) past
     # --pod-ready-grace is recreated instead of the job staying Provisioning for ever; within it, looked at again
     # when the grace ends
@@ -495,6 +503,11 @@ ROWS = [
         check=lambda plan: plan.restart_reason == "NodeDrain"),
     Row("recovering-deletes-the-pods-on-a-drained-node",
         job(running_status(phase="Recovering", recovery=dict(RECOVERING, reason="NodeDrain"))),
+        obs(state=p.RayJobState.STOPPED, health=DRAIN), Phase.RECOVERING,
+        [p.DeletePods(("local-tiny-ray-cpu-worker-abcde",))], {}, [], 2.0),
+    # during an unplanned restart's backoff too: the drain is not held for the backoff
+    Row("recovering-in-backoff-still-moves-pods-off-a-drained-node",
+        job(running_status(phase="Recovering", recovery=dict(RECOVERING, reason="WorkerLost", notBefore=later(60)))),
         obs(state=p.RayJobState.STOPPED, health=DRAIN), Phase.RECOVERING,
         [p.DeletePods(("local-tiny-ray-cpu-worker-abcde",))], {}, [], 2.0),
     Row("recovering-resubmit-after-head-loss-job-unknown",

@@ -446,8 +446,8 @@ class ResilienceSpec(_Model):
     checkpoint_on_node_warning: bool = True
     """When HyperPod marks a node for replacement or reboot, checkpoint before stopping (zero lost steps)."""
     checkpoint_on_drain: bool = True
-    """Treat a node under the job's pods that is being emptied (cordoned by `kubectl cordon`/`kubectl drain` or an
-    EKS managed node group update; tainted for removal by Karpenter or the cluster autoscaler; being deleted) like a
+    """Treat a node under the job's pods that is being emptied (cordoned by `kubectl cordon`/`kubectl drain`; tainted
+    for removal by Karpenter, the cluster autoscaler or an EKS managed node group update; being deleted) like a
     HyperPod announcement: checkpoint, stop, and bring the pods up elsewhere (a planned restart, reason NodeDrain).
     The operator also keeps a PodDisruptionBudget (`minAvailable`: all of them; pods not Ready always evictable) over the
     job's Ray pods, so a drain's evictions wait until the checkpoint is written and the operator has moved the pods
