@@ -166,7 +166,7 @@ class Reason(str, enum.Enum):
     # failures (lastFailure.reason, restarts_total{reason})
     NODE_REPLACEMENT = "NodeReplacement"
     NODE_REBOOT = "NodeReboot"
-    NODE_DRAIN = "NodeDrain"  # cordoned, tainted for removal (Karpenter, cluster-autoscaler) or being deleted
+    NODE_DRAIN = "NodeDrain"  # cordoned, tainted for removal (DRAIN_TAINTS) or being deleted
     NODE_LOST = "NodeLost"
     WORKER_LOST = "WorkerLost"
     HEAD_LOST = "HeadLost"

@@ -588,7 +588,7 @@ def disruption_budget_once(rt: Runtime, job: JobView) -> None:
     ``spec.resilience.checkpointOnDrain`` is true and not exist when it is false; one API call when that wish differs
     from what this process last made it (:attr:`Children.budget`), none otherwise, so it can run on every reconcile
     and an edit of the field takes effect at once. An API server without policy/v1 (Kubernetes older than 1.21)
-    answers the create 404: logged once per job and process, and the job runs without the budget (a drain then
+    answers the create 404: logged once per job and RayCluster, and the job runs without the budget (a drain then
     evicts its pods at once: an unplanned restart). ``DeleteCluster`` deletes the budget with the RayCluster (it holds
     no pod then) and forgets it here, as :meth:`Children.note_cluster` does when the RayCluster is seen gone. A
     budget deleted by hand while its RayCluster lives comes back with the next RayCluster or operator start.

@@ -24,8 +24,8 @@ Failure handling, in DESIGN order:
    immediate checkpoint (bounded by ``checkpointTimeoutSeconds``), stop the Ray job, delete the job's pods on nodes
    that must not run them (KubeRay recreates them; node affinity keeps them on ``Schedulable`` nodes), resubmit the
    next attempt with ``--resume latest`` once the cluster is ready again. No restart backoff: it is planned.
-   A node under the job being drained (cordoned, tainted for removal by Karpenter or the cluster autoscaler, being
-   deleted) is handled the same way with ``checkpointOnDrain`` (reason NodeDrain): the job's PodDisruptionBudget
+   A node under the job being drained (cordoned, tainted for removal by Karpenter, the cluster autoscaler or an EKS
+   managed node group update, being deleted) is handled the same way with ``checkpointOnDrain`` (reason NodeDrain): the job's PodDisruptionBudget
    refuses the drain's evictions until the operator has stopped the attempt and deleted the pods there itself.
 2. A worker pod or node is lost, or the Ray job fails/stops on its own: classify (node and pod evidence first, then the
    Ray job's message), stop what is left, resubmit with resume after an exponential backoff
