@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "daedalus"
 RULES = CHART / "files" / "rules.yaml"
 RULES_TEST = Path(__file__).resolve().parent / "rules_test.yaml"
+#: The one recording rule of RULES (steps per hour over the last hour, per job).
+RECORDING = "daedalus:train_steps_per_hour:deriv1h"
 DASHBOARDS = CHART / "dashboards"
 
 #: A second job the operator knows but which never starts training (Pending throughout, no trainer metrics): the

@@ -5,6 +5,10 @@ operator metric exporters every second. Grafana variables are replaced as Grafan
 `$namespace`/`$job` by that job's labels, `$__rate_interval`/`$__interval`/`$__range` by a window covering the
 whole scrape history of the test. Each query must succeed and return at least one finite, non-zero sample for that
 job.
+
+(c) The chart's Prometheus rules evaluated by that same server (the rules' promtool tests are test_rules.py). It is
+here, not there, because the `prometheus` fixture drives a real ~100 s training run per process, and `make test`
+gives each test file to one pytest-xdist worker: with the live tests in two files, two workers paid for a run each.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 import pytest
 from obslib import (DASHBOARDS, OPERATOR_GLOBAL, OPERATOR_METRICS, QUEUED_JOB, QUEUED_NAMESPACE, TRAINER_METRICS,
-                    Prometheus, finite_values, metric_names)
+                    RECORDING, Prometheus, finite_values, load_rules, metric_names)
 
 EXPECTED = {"training.json": ("Daedalus / Training", "daedalus-training"),
             "operator.json": ("Daedalus / Operator", "daedalus-operator")}
@@ -239,3 +243,21 @@ def test_contract_matches_the_operator_metrics() -> None:
         family = name.removesuffix("_total") if kind == "counter" else name
         assert families.get(family) == kind, (name, families.get(family))
         assert tuple(collectors[name]._labelnames) == labels, name
+
+
+def test_real_prometheus_evaluates_the_rules_on_real_metrics(prometheus: Prometheus, exporters: dict) -> None:
+    """The server loaded every rule, evaluated each without error, recorded steps/hour for the driven job, and
+    fires none of the job alerts for a healthy run."""
+    groups = prometheus.get("/api/v1/rules")["data"]["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert len(rules) == sum(len(g["rules"]) for g in load_rules()["groups"])
+    for rule in rules:
+        assert rule["health"] == "ok", rule
+    trainer = exporters["daedalus-trainer"]
+    if not hasattr(trainer, "address"):
+        pytest.skip(trainer.reason)
+    recorded = prometheus.query(f'{RECORDING}{{job="{trainer.job}"}}')
+    assert len(recorded) == 1 and float(recorded[0]["value"][1]) > 0, recorded
+    alerts = prometheus.get("/api/v1/alerts")["data"]["alerts"]
+    job_alerts = [a for a in alerts if a["labels"].get("job") == trainer.job]
+    assert not job_alerts, job_alerts

@@ -1,6 +1,6 @@
 """The Prometheus rules (charts/daedalus/files/rules.yaml): promtool check and unit tests, coverage of every alert
-firing and not firing, mutation checks that prove the fixtures can fail, and the rules evaluated by a real server on
-the real exporters."""
+firing and not firing, and mutation checks that prove the fixtures can fail. The rules evaluated by a real server on
+the real exporters: ``test_dashboards.py`` (it shares that file's live Prometheus and real training run)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from obslib import (OPERATOR_METRICS, RULES, RULES_TEST, TRAINER_METRICS, Prometheus, alert_names, load_rules,
+from obslib import (OPERATOR_METRICS, RECORDING, RULES, RULES_TEST, TRAINER_METRICS, alert_names, load_rules,
                     metric_names, require_binary)
 
 REQUIRED_ALERTS = {
@@ -17,7 +17,6 @@ REQUIRED_ALERTS = {
     "DaedalusCheckpointStale",
     "DaedalusSuccessRatioDropping", "DaedalusOperatorDown", "DaedalusOperatorReconcileErrors",
 }
-RECORDING = "daedalus:train_steps_per_hour:deriv1h"
 
 
 @pytest.fixture(scope="module")
@@ -91,21 +90,3 @@ def test_fixtures_catch_broken_alerts(promtool: str, tmp_path: Path, mutant: str
     output = proc.stdout + proc.stderr
     uncaught = [a for a in sorted(REQUIRED_ALERTS) if f"alertname: {a}," not in output]
     assert not uncaught, f"{mutant}-firing expressions pass the fixtures of {uncaught}"
-
-
-def test_real_prometheus_evaluates_the_rules_on_real_metrics(prometheus: Prometheus, exporters: dict) -> None:
-    """The server loaded every rule, evaluated each without error, recorded steps/hour for the driven job, and
-    fires none of the job alerts for a healthy run."""
-    groups = prometheus.get("/api/v1/rules")["data"]["groups"]
-    rules = [r for g in groups for r in g["rules"]]
-    assert len(rules) == sum(len(g["rules"]) for g in load_rules()["groups"])
-    for rule in rules:
-        assert rule["health"] == "ok", rule
-    trainer = exporters["daedalus-trainer"]
-    if not hasattr(trainer, "address"):
-        pytest.skip(trainer.reason)
-    recorded = prometheus.query(f'{RECORDING}{{job="{trainer.job}"}}')
-    assert len(recorded) == 1 and float(recorded[0]["value"][1]) > 0, recorded
-    alerts = prometheus.get("/api/v1/alerts")["data"]["alerts"]
-    job_alerts = [a for a in alerts if a["labels"].get("job") == trainer.job]
-    assert not job_alerts, job_alerts
