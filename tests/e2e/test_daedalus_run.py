@@ -84,6 +84,9 @@ def test_daedalus_run_reports_and_resumes(sft_start, tmp_path):
     again = _run(job_file, runs)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resumed from the checkpoint at step 2" in again.stdout
+    # the run's last step is checkpointed and daedalus run evaluates by itself: no Ray, no actors for zero steps
+    assert "Started a local Ray instance" in first.stdout + first.stderr
+    assert "Started a local Ray instance" not in again.stdout + again.stderr
     # the bar starts at the checkpoint's step (it drew 0/2 until the end), said once, before the outcome
     assert again.stdout.count("resumed from the checkpoint at step 2") == 1
     assert again.stdout.index("resumed from the checkpoint") < again.stdout.index("nothing left to train")

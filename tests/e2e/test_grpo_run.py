@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from daedalus_trainer.checkpoint import CheckpointManager
 from daedalus_trainer.config import parse_job
 from daedalus_trainer.grpo import Trainer, learning_rate_at
 from daedalus_trainer.server import ControlState
@@ -71,6 +72,30 @@ def test_run_learns_something_real(uninterrupted, sft_start):
     assert all("lora_" in k for k in adapter)
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")) == [
         "step-000003", "step-000006"]
+
+
+def test_a_rerun_of_a_finished_run_without_a_final_evaluation_starts_no_actor(uninterrupted, sft_start, tmp_path):
+    """Resumed at its last step with no final evaluation (``daedalus run``'s Trainer): the result a resume with no
+    step left gives, the adapter exported again from the checkpoint, and no actor in Ray's actor table. With the final
+    evaluation (``daedalus train``'s) the actors are still needed."""
+    import shutil
+
+    import ray._private.state as ray_state
+
+    job, run, full = uninterrupted
+    shutil.copytree(run / "checkpoints", tmp_path / "checkpoints")
+    assert Trainer(job, tmp_path, start_dir=str(sft_start)).nothing_to_train(
+        CheckpointManager(tmp_path / "checkpoints", keep=3).resume("latest")) is False  # final_eval on
+    actors_before = len(ray_state.actors())
+    trainer = Trainer(job, tmp_path, start_dir=str(sft_start), final_eval=False)
+    result = trainer.train("latest")
+    assert len(ray_state.actors()) == actors_before
+    assert (result.steps_done, result.resumed_from, result.stopped) == (6, 6, False)
+    assert result.latest_checkpoint.step == 6 and result.history == full.history
+    assert trainer.control.status()["phase"] == "finished" and trainer.control.status()["step"] == 6
+    a, b = _adapter(full.adapter_dir), _adapter(result.adapter_dir)
+    assert result.adapter_dir == tmp_path / "exports" / "adapter" and a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_stop_and_resume_is_bit_identical(uninterrupted, sft_start, tmp_path):

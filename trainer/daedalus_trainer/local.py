@@ -307,12 +307,13 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     import signal
 
     sigterm_before_ray = signal.getsignal(signal.SIGTERM)  # ray.init installs a handler that exits 15
-    init_ray(local=True)
-    port = _free_port(DEFAULT_PORT if port is None else port)
     progress = _Progress(console, job.spec.algorithm.steps)
     trainer = Trainer(job, run_dir, start_dir=start_dir, work_dir=work_dir, on_step=progress.update,
                       on_resume=progress.resumed,
                       final_eval=False)  # the full before/after evaluation below replaces it
+    if not trainer.nothing_to_train(loaded):  # a rerun of a finished run needs no Ray
+        init_ray(local=True)
+    port = _free_port(DEFAULT_PORT if port is None else port)
     with TrainerServer(trainer.metrics, trainer.control, host="127.0.0.1", port=port) as server:
         console.print(f"metrics and status: {server.url}/metrics  {server.url}/status  "
                       "(Ctrl-C: stop after this step, checkpointed; run again to resume)")
