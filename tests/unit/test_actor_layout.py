@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from daedalus_trainer.grpo import actor_layout
+from daedalus_trainer.grpo import actor_layout, check_layout_fits
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2, 3, 8, 16])
@@ -38,6 +38,33 @@ def test_layout_rejects_nonsense():
         actor_layout(2, workers=0)
     with pytest.raises(ValueError, match="gpus must be >= 0"):
         actor_layout(-1)
+
+
+def test_an_explicit_worker_count_the_cluster_cannot_hold_is_refused_before_any_actor():
+    """algorithm.rolloutWorkers beyond the Ray cluster's CPUs or GPUs: refused, naming the field and the counts."""
+    check_layout_fits(actor_layout(0, 3), {"CPU": 2.0})  # learner + 3 workers at 0.5 CPU: exactly 2
+    with pytest.raises(ValueError, match=r"rolloutWorkers 4: the learner and 4 rollout workers need 2.5 CPUs but "
+                                         r"the Ray cluster has 2; lower it"):
+        check_layout_fits(actor_layout(0, 4), {"CPU": 2.0})
+    check_layout_fits(actor_layout(2, 3), {"CPU": 4.0, "GPU": 2.0})  # 1 + 3 CPUs, the workers share one GPU
+    with pytest.raises(ValueError, match="need 4 CPUs but the Ray cluster has 3"):
+        check_layout_fits(actor_layout(2, 3), {"CPU": 3.0, "GPU": 2.0})
+    with pytest.raises(ValueError, match="need 2 GPUs but the Ray cluster has 1"):  # a layout made for more GPUs
+        check_layout_fits(actor_layout(2, 1), {"CPU": 8.0, "GPU": 1.0})
+
+
+def test_the_trainer_takes_its_worker_count_from_the_spec_unless_told():
+    from support.jobs import tiny_job_dict
+
+    from daedalus_trainer.config import parse_job
+    from daedalus_trainer.grpo import Trainer
+
+    assert Trainer(parse_job(tiny_job_dict()), "unused").rollout_workers is None  # 0 in the spec: automatic
+    job = parse_job(tiny_job_dict(algorithm={"rolloutWorkers": 3}))
+    assert Trainer(job, "unused").rollout_workers == 3
+    assert Trainer(job, "unused", rollout_workers=1).rollout_workers == 1
+    with pytest.raises(ValueError, match="rolloutWorkers"):
+        parse_job(tiny_job_dict(algorithm={"rolloutWorkers": -1}))
 
 
 def test_ray_schedules_every_actor_of_the_layout():

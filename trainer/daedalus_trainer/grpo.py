@@ -443,8 +443,8 @@ class Trainer:
             ``<checkpoint.path>/<namespace>/<name>``).
         start_dir: SFT starting point (full model or PEFT adapter dir); default ``job.spec.model.sft_adapter``.
         work_dir: where the tiny base model is built (default ``run_dir``).
-        rollout_workers: number of rollout actors (default: 2 on CPU, one per GPU the learner leaves;
-            :func:`actor_layout`).
+        rollout_workers: number of rollout actors (default: ``algorithm.rolloutWorkers``, whose 0 is 2 on CPU,
+            one per GPU the learner leaves; :func:`actor_layout`).
         control / metrics: shared with the HTTP endpoint (:mod:`daedalus_trainer.server`); created if None.
         on_step: called with each step's metrics dict (progress bars).
         on_resume: called with the step of the checkpoint the run resumes from, before its first new step (a
@@ -463,7 +463,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.start_dir = start_dir if start_dir is not None else job.spec.model.sft_adapter
         self.work_dir = Path(work_dir) if work_dir else self.run_dir
-        self.rollout_workers = rollout_workers
+        self.rollout_workers = rollout_workers or job.spec.algorithm.rollout_workers or None
         algo = job.spec.algorithm
         self.control = control or ControlState(total_steps=algo.steps)
         self.metrics = metrics or TrainerMetrics(job.metadata.name, job.metadata.namespace, total_steps=algo.steps,
@@ -480,6 +480,8 @@ class Trainer:
         from daedalus_trainer.actors import Learner, RolloutWorker
 
         layout = actor_layout(_gpus_available(), self.rollout_workers)
+        if self.rollout_workers is not None:  # the automatic counts fit by construction
+            check_layout_fits(layout, ray.cluster_resources())
         job = self.job.model_dump(by_alias=True, mode="json")
         share = float(layout.worker.get("num_gpus", 0.0))
         learner_cls, worker_cls = ray.remote(Learner), ray.remote(RolloutWorker)
@@ -891,9 +893,10 @@ class Trainer:
 #: length (a raised ``steps`` trains on; the cosine schedule then follows the new length), the cadence of its
 #: held-out evaluations, and the rollout engine: both engines sample the same policy with the log-probs the learner
 #: computes (vLLM only with ``topP`` 1, which the API enforces), so a checkpoint continues under either, as it does
-#: under another worker count; ``auto`` may resolve differently on another cluster anyway. The resolved engine is
-#: kept in ``TrainerState.extra["rollout_engine"]`` and a resume under another one is logged as not bit-for-bit.
-RESUMABLE_ALGORITHM_FIELDS = ("steps", "evalIntervalSteps", "rolloutEngine")
+#: under another worker count (``rolloutWorkers``); ``auto`` may resolve differently on another cluster anyway. The
+#: resolved engine and the worker count are kept in ``TrainerState.extra`` (``rollout_engine``, ``rollout_workers``)
+#: and a resume under another one is logged as not bit-for-bit.
+RESUMABLE_ALGORITHM_FIELDS = ("steps", "evalIntervalSteps", "rolloutEngine", "rolloutWorkers")
 
 
 def run_identity(job: Any, start_dir: str | None) -> dict[str, Any]:
@@ -1018,6 +1021,27 @@ class ActorLayout:
         """Whether some actor holds a fraction of a GPU (Ray ``num_gpus`` in (0, 1)), so that it may share that GPU
         with another actor: :meth:`Trainer._actors` then starts the actors one at a time (:func:`start_actors`)."""
         return any(0 < opts.get("num_gpus", 0) < 1 for opts in (self.learner, self.worker))
+
+
+def check_layout_fits(layout: ActorLayout, resources: Mapping[str, float]) -> None:
+    """Refuse a layout whose actors ask for more CPUs or GPUs than the Ray cluster holds (Ray would never schedule
+    the last actor, and the first ``ray.get`` on it would wait forever).
+
+    Args:
+        layout: the actors' requests (:func:`actor_layout`).
+        resources: ``ray.cluster_resources()`` (``CPU``, ``GPU`` counts, summed over the nodes now in the cluster).
+
+    Raises:
+        ValueError: the total request exceeds what ``resources`` holds; the message names
+            ``algorithm.rolloutWorkers`` and the counts.
+    """
+    cpus = layout.learner.get("num_cpus", 0) + layout.workers * layout.worker.get("num_cpus", 0)
+    have_cpus, have_gpus = float(resources.get("CPU", 0)), float(resources.get("GPU", 0))
+    for kind, need, have in (("CPUs", cpus, have_cpus), ("GPUs", layout.gpus, have_gpus)):
+        if need > have + 1e-9:
+            raise ValueError(
+                f"algorithm.rolloutWorkers {layout.workers}: the learner and {layout.workers} rollout workers need "
+                f"{need:g} {kind} but the Ray cluster has {have:g}; lower it, or 0 for the automatic count")
 
 
 def start_actors(starts: Sequence[tuple[Any, Callable[[Any], Any]]], sequential: bool) -> list[Any]:
