@@ -164,7 +164,8 @@ def test_ctrl_c_then_sigterm_during_grpo_checkpoint_the_step_and_each_rerun_resu
     periodic checkpoint (here: all of them). One job for both signals: each `daedalus run` costs a Ray start, its
     actors and an evaluation."""
     job = tiny_job_dict(model={"sftAdapter": str(sft_start)}, environment={"evalMazes": 4},
-                        algorithm={"steps": 8, "mazesPerStep": 2, "groupSize": 2}, checkpoint={"intervalSteps": 100})
+                        algorithm={"steps": 8, "mazesPerStep": 2, "groupSize": 2, "rolloutWorkers": 1},
+                        checkpoint={"intervalSteps": 100})
     job["metadata"]["name"] = "ctrl-c"
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))

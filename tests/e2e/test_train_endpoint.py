@@ -87,7 +87,7 @@ def test_metrics_move_checkpoint_on_request_and_sigterm_ends_the_step(sft_start,
     import signal
 
     # klCoef > 0: the learner runs the reference forward, so daedalus_train_kl is a real value.
-    job = tiny_job_dict(algorithm={"steps": 40, "evalIntervalSteps": 2, "klCoef": 0.01},
+    job = tiny_job_dict(algorithm={"steps": 40, "evalIntervalSteps": 2, "klCoef": 0.01, "rolloutWorkers": 1},
                         checkpoint={"intervalSteps": 100})
     log_path = tmp_path / "trainer.log"
     log = open(log_path, "w")
@@ -151,8 +151,10 @@ def test_a_tiny_job_without_an_sft_start_says_why_grpo_cannot_learn(tmp_path):
     without model.sftAdapter the policy is random weights. It says so at the start; each step's unparseable replies
     are put down to the missing format (not to a collapse, whose advice, a lower learning rate, would not help), and
     the steps whose groups all had one reward are said to teach nothing."""
-    job = tiny_job_dict(algorithm={"steps": 2, "mazesPerStep": 2, "groupSize": 2, "evalIntervalSteps": 0},
-                        environment={"evalMazes": 2}, checkpoint={"intervalSteps": 2})
+    # 4 turns of 6 tokens: random weights write no action however long they are given (fewer tokens to sample)
+    job = tiny_job_dict(algorithm={"steps": 2, "mazesPerStep": 2, "groupSize": 2, "evalIntervalSteps": 0,
+                                   "maxTokensPerTurn": 6, "rolloutWorkers": 1},
+                        environment={"evalMazes": 2, "maxTurns": 4}, checkpoint={"intervalSteps": 2})
     job["spec"]["model"].pop("sftAdapter", None)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(job))
@@ -168,3 +170,4 @@ def test_a_tiny_job_without_an_sft_start_says_why_grpo_cannot_learn(tmp_path):
     assert "the action format has collapsed" not in log
     assert log.count("no learning signal from the rewards") == 1  # said once, at step 1
     assert "step 1: in every group all 2 episodes got the same reward (success 0%)" in log
+    assert "rollout engine: transformers (1 workers)" in log  # algorithm.rolloutWorkers reached the trainer

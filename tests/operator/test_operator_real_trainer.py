@@ -30,9 +30,11 @@ def env(tmp_path: Path, ray_head):
 
 
 def _real_trainer_job(env: OperatorEnv, sft_start: Path, *, steps: int, interval: int, hyperpod: bool) -> dict:
-    """A small real-trainer job (2 mazes x 4 episodes per step, arrival within 16 turns) starting from ``sft_start``."""
+    """A small real-trainer job (2 mazes x 4 episodes per step, arrival within 16 turns, one rollout worker: its
+    actors start sooner than with the default two) starting from ``sft_start``."""
     manifest = env.job_manifest(
         algorithm__steps=steps, algorithm__groupSize=4, algorithm__mazesPerStep=2, algorithm__maxTokensPerTurn=10,
+        algorithm__rolloutWorkers=1,
         environment__evalMazes=16, environment__successOn="arrival", environment__maxTurns=16,
         checkpoint__intervalSteps=interval, resilience__hyperPod=hyperpod)
     manifest["spec"]["model"]["sftAdapter"] = str(sft_start)
@@ -60,6 +62,7 @@ def test_node_replacement_with_the_real_trainer_loses_no_step(env: OperatorEnv, 
     assert checkpoints == [f"step-{stop_step:06d}", f"step-{STEPS:06d}"]
     state = json.loads((env.trainer_root() / "checkpoints" / f"step-{STEPS:06d}" / "trainer_state.json").read_text())
     assert [h["step"] for h in state["metric_history"]] == list(range(1, STEPS + 1))  # every step once
+    assert state["extra"]["rollout_workers"] == 1  # the spec's algorithm.rolloutWorkers, through the operator
     assert st["currentStep"] == STEPS
     assert (Path(st["adapterPath"]) / "adapter_config.json").is_file()
     print(f"\nreal trainer: node replacement at step >= 2, resumed from {stop_step}, lost 0, "
