@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from daedalus_trainer.grpo import actor_layout, check_layout_fits
+from daedalus_trainer.grpo import actor_layout, check_layout_fits, local_ray_cpus
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2, 3, 8, 16])
@@ -31,6 +31,12 @@ def test_layout_gives_the_learner_its_own_gpu_when_there_are_several():
     assert (one.workers, one.learner["num_gpus"], one.worker["num_gpus"]) == (1, 0.5, 0.5)
     crowded = actor_layout(3, workers=4)  # 4 rollout actors on the 2 GPUs the learner leaves
     assert crowded.worker["num_gpus"] == 0.5 and crowded.gpus == 3
+    # Shares Ray can pack into whole GPUs: 10 workers on 7 GPUs at 0.7 each would fit only 7 (one per GPU)
+    for gpus, workers, share in ((8, 10, 1 / 2), (16, 20, 1 / 2), (4, 7, 1 / 3), (3, 2, 1.0), (9, 17, 1 / 3)):
+        layout = actor_layout(gpus, workers)
+        assert layout.worker["num_gpus"] == share, (gpus, workers)
+        per_gpu = int(1 / share + 1e-9)
+        assert workers <= per_gpu * (gpus - 1)  # every worker has a place on the GPUs the learner leaves
 
 
 def test_layout_rejects_nonsense():
@@ -43,14 +49,21 @@ def test_layout_rejects_nonsense():
 def test_an_explicit_worker_count_the_cluster_cannot_hold_is_refused_before_any_actor():
     """algorithm.rolloutWorkers beyond the Ray cluster's CPUs or GPUs: refused, naming the field and the counts."""
     check_layout_fits(actor_layout(0, 3), {"CPU": 2.0})  # learner + 3 workers at 0.5 CPU: exactly 2
-    with pytest.raises(ValueError, match=r"rolloutWorkers 4: the learner and 4 rollout workers need 2.5 CPUs but "
-                                         r"the Ray cluster has 2; lower it"):
+    with pytest.raises(ValueError, match=r"the learner and 4 rollout workers need 2.5 CPUs but the Ray cluster has "
+                                         r"2: set algorithm.rolloutWorkers lower"):
         check_layout_fits(actor_layout(0, 4), {"CPU": 2.0})
     check_layout_fits(actor_layout(2, 3), {"CPU": 4.0, "GPU": 2.0})  # 1 + 3 CPUs, the workers share one GPU
     with pytest.raises(ValueError, match="need 4 CPUs but the Ray cluster has 3"):
         check_layout_fits(actor_layout(2, 3), {"CPU": 3.0, "GPU": 2.0})
     with pytest.raises(ValueError, match="need 2 GPUs but the Ray cluster has 1"):  # a layout made for more GPUs
         check_layout_fits(actor_layout(2, 1), {"CPU": 8.0, "GPU": 1.0})
+
+
+def test_a_local_ray_has_room_for_an_explicit_worker_count():
+    assert [local_ray_cpus(0, cpus=c) for c in (1, 2, 3, 16)] == [2, 2, 3, 4]  # the machine's, clamped to 2-4
+    assert local_ray_cpus(7, cpus=16) == 8 and local_ray_cpus(1, cpus=2) == 2
+    for workers in (1, 3, 7, 12):  # every CPU layout of that count fits the local Ray started for it
+        check_layout_fits(actor_layout(0, workers), {"CPU": float(local_ray_cpus(workers, cpus=2))})
 
 
 def test_the_trainer_takes_its_worker_count_from_the_spec_unless_told():

@@ -219,11 +219,11 @@ class AlgorithmSpec(_Model):
     rollout_workers: int = Field(0, ge=0, le=1024, strict=True)
     """Rollout actors (each samples its share of a step's episodes and of the held-out evaluation); 0: automatic.
     Automatic: on CPU 2 (1 on a 1-CPU machine), each actor half a CPU, like the learner; with one GPU in the Ray
-    cluster 1, sharing that GPU with the learner; with n >= 2 GPUs n - 1, the learner holding the other. A count
-    larger than the Ray cluster's CPUs or GPUs can hold fails before any actor starts (Ray would never schedule the
-    last one). May change on resume: a run resumed under another count samples other tokens (each worker draws its
-    batch under its own seed), so it continues, logged as not bit-for-bit. On 2 cores the learner and one worker
-    start in about 7 s, with two workers 12 s (measured in session 25)."""
+    cluster 1, sharing that GPU with the learner; with n >= 2 GPUs n - 1, the learner holding the other (more
+    workers than GPUs share them, 1/k of a GPU each). On a cluster, a count whose actors ask for more CPUs or GPUs
+    than the Ray cluster has in all fails before any actor starts (Ray would never schedule the last one); a local
+    run gives its Ray enough CPUs. May change on resume: a run resumed under another count samples other tokens
+    (each worker draws its batch under its own seed), so it continues, logged as not bit-for-bit."""
 
     @field_validator("loss_aggregation", mode="before")
     @classmethod

@@ -480,8 +480,7 @@ class Trainer:
         from daedalus_trainer.actors import Learner, RolloutWorker
 
         layout = actor_layout(_gpus_available(), self.rollout_workers)
-        if self.rollout_workers is not None:  # the automatic counts fit by construction
-            check_layout_fits(layout, ray.cluster_resources())
+        check_layout_fits(layout, ray.cluster_resources())
         job = self.job.model_dump(by_alias=True, mode="json")
         share = float(layout.worker.get("num_gpus", 0.0))
         learner_cls, worker_cls = ray.remote(Learner), ray.remote(RolloutWorker)
@@ -575,11 +574,11 @@ class Trainer:
 
     def nothing_to_train(self, loaded: LoadedCheckpoint | None) -> bool:
         """Whether a run resumed from ``loaded`` needs no actor, and so no Ray: ``loaded`` is the checkpoint of the
-        last step (``algorithm.steps``) and this trainer runs no final evaluation (``daedalus run`` evaluates after
+        last step (``algorithm.steps``, or a later one after ``steps`` was lowered) and this trainer runs no final evaluation (``daedalus run`` evaluates after
         training itself; ``daedalus train`` evaluates the final adapter again, on its actors). :meth:`train` then
         returns at once instead of starting the actors (13-16 s on an idle 2-core machine, measured in session 30)
         to run no step, and ``daedalus run`` leaves its local Ray unstarted (another ~6 s there)."""
-        return loaded is not None and loaded.step == self.job.spec.algorithm.steps and not self.final_eval
+        return loaded is not None and loaded.step >= self.job.spec.algorithm.steps and not self.final_eval
 
     def _finished_already(self, loaded: LoadedCheckpoint, started: float) -> TrainResult:
         """:meth:`train` of a run with :meth:`nothing_to_train`: what the step loop reports for a resume with no step
@@ -1025,7 +1024,8 @@ class ActorLayout:
 
 def check_layout_fits(layout: ActorLayout, resources: Mapping[str, float]) -> None:
     """Refuse a layout whose actors ask for more CPUs or GPUs than the Ray cluster holds (Ray would never schedule
-    the last actor, and the first ``ray.get`` on it would wait forever).
+    the last actor, and the first ``ray.get`` on it would wait forever). Totals are compared, not each node's: the
+    GPU shares of :func:`actor_layout` pack whole GPUs, and the operator submits once every pod is Ready.
 
     Args:
         layout: the actors' requests (:func:`actor_layout`).
@@ -1033,15 +1033,16 @@ def check_layout_fits(layout: ActorLayout, resources: Mapping[str, float]) -> No
 
     Raises:
         ValueError: the total request exceeds what ``resources`` holds; the message names
-            ``algorithm.rolloutWorkers`` and the counts.
+            ``algorithm.rolloutWorkers`` and the counts. For example one CPU worker of ``cpu: "1"`` (the head has 0 Ray
+            CPUs) with the automatic two workers: the learner and both need 1.5 CPUs.
     """
     cpus = layout.learner.get("num_cpus", 0) + layout.workers * layout.worker.get("num_cpus", 0)
     have_cpus, have_gpus = float(resources.get("CPU", 0)), float(resources.get("GPU", 0))
     for kind, need, have in (("CPUs", cpus, have_cpus), ("GPUs", layout.gpus, have_gpus)):
         if need > have + 1e-9:
             raise ValueError(
-                f"algorithm.rolloutWorkers {layout.workers}: the learner and {layout.workers} rollout workers need "
-                f"{need:g} {kind} but the Ray cluster has {have:g}; lower it, or 0 for the automatic count")
+                f"the learner and {layout.workers} rollout workers need {need:g} {kind} but the Ray cluster has "
+                f"{have:g}: set algorithm.rolloutWorkers lower (0 is automatic), or give the cluster more {kind}")
 
 
 def start_actors(starts: Sequence[tuple[Any, Callable[[Any], Any]]], sequential: bool) -> list[Any]:
@@ -1086,8 +1087,10 @@ def actor_layout(gpus: int, workers: int | None = None, cpus: int | None = None)
     - One GPU: the learner and the rollout actors share it: the learner half of it, the workers (default 1) the other
       half between them.
     - ``gpus >= 2``: the learner gets a GPU of its own and the rollout actors (default ``gpus - 1``) share the rest,
-      a whole GPU each when they fit. Asking for one actor per GPU *plus* the learner (what this replaced) needs
-      ``gpus + 1`` GPUs: Ray never schedules the last actor and the first ``ray.get`` waits forever.
+      a whole GPU each when they fit, else ``1/k`` of one each with ``k = ceil(workers / (gpus - 1))`` (Ray packs a
+      fractional request inside one GPU: a share above a half would hold a GPU alone). Asking for one actor per GPU
+      *plus* the learner (what this replaced) needs ``gpus + 1`` GPUs: Ray never schedules the last actor and the
+      first ``ray.get`` waits forever.
 
     Args:
         gpus: GPUs in the Ray cluster (``ray.cluster_resources()["GPU"]``).
@@ -1108,7 +1111,7 @@ def actor_layout(gpus: int, workers: int | None = None, cpus: int | None = None)
         n = workers or 1
         return ActorLayout(n, {"num_gpus": 0.5, "num_cpus": 1}, {"num_gpus": 0.5 / n, "num_cpus": 1})
     n = workers or gpus - 1
-    share = min(1.0, (gpus - 1) / n)
+    share = 1.0 / math.ceil(n / (gpus - 1))  # a fraction Ray can pack: 1/k of a GPU each, k workers per GPU
     return ActorLayout(n, {"num_gpus": 1, "num_cpus": 1}, {"num_gpus": share, "num_cpus": 1})
 
 
@@ -1126,11 +1129,19 @@ def run_dir_for(job) -> Path:
     return Path(job.spec.checkpoint.path) / job.metadata.namespace / job.metadata.name
 
 
-def init_ray(local: bool) -> None:
+def local_ray_cpus(rollout_workers: int = 0, cpus: int | None = None) -> int:
+    """Logical CPUs of the local Ray :func:`init_ray` starts: the machine's ``cpus`` (default ``os.cpu_count()``)
+    clamped to 2-4, raised to ``rollout_workers + 1`` for an explicit ``algorithm.rolloutWorkers`` (each actor asks
+    for at most 1 CPU: :func:`actor_layout`), so that the learner and every worker can be scheduled."""
+    return max(2, min(4, cpus or os.cpu_count() or 2), rollout_workers + 1)
+
+
+def init_ray(local: bool, rollout_workers: int = 0) -> None:
     """Attach to the running Ray cluster (inside a Ray job, ``RAY_ADDRESS`` is set) or start a small local one.
 
-    Locally: ``num_cpus`` = the machine's CPUs clamped to 2-4, and no dashboard (~0.7 GB, ~4 s to start;
-    docs/engineering-notes.md, "Local Ray"); actors take fractional CPUs so a default task can still be scheduled.
+    Locally: ``num_cpus`` = :func:`local_ray_cpus` (Ray's CPUs are logical: more actors than cores share them), and
+    no dashboard (~0.7 GB, ~4 s to start; docs/engineering-notes.md, "Local Ray"); actors take fractional CPUs so a
+    default task can still be scheduled.
     """
     import ray
 
@@ -1139,7 +1150,7 @@ def init_ray(local: bool) -> None:
     if not local and os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
     else:
-        ray.init(num_cpus=max(2, min(4, os.cpu_count() or 2)), include_dashboard=False, log_to_driver=False,
+        ray.init(num_cpus=local_ray_cpus(rollout_workers), include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
 
 
@@ -1321,7 +1332,7 @@ def main_train(config: str, resume: str = "latest", out_dir: str | None = None) 
     if resume not in ("latest", "none"):  # a checkpoint PATH: verified now, not after Ray and the model start
         start = resume_checkpoint(job, target / "checkpoints", resume) or resume  # a PATH always loads or raises
     run_dir = make_dir(target, "--out" if out_dir else "checkpoint.path")
-    init_ray(local=False)
+    init_ray(local=False, rollout_workers=job.spec.algorithm.rollout_workers)
     trainer = Trainer(job, run_dir)
     trainer.control.set_status(attempt=attempt)
     with TrainerServer(trainer.metrics, trainer.control, host=host, port=port), stop_on_sigterm(trainer.control):

@@ -312,7 +312,7 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                       on_resume=progress.resumed,
                       final_eval=False)  # the full before/after evaluation below replaces it
     if not trainer.nothing_to_train(loaded):  # a rerun of a finished run needs no Ray
-        init_ray(local=True)
+        init_ray(local=True, rollout_workers=job.spec.algorithm.rollout_workers)
     port = _free_port(DEFAULT_PORT if port is None else port)
     with TrainerServer(trainer.metrics, trainer.control, host="127.0.0.1", port=port) as server:
         console.print(f"metrics and status: {server.url}/metrics  {server.url}/status  "
