@@ -28,17 +28,18 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 _TESTS = Path(__file__).resolve().parent
 
-# Test files slowest first, from the last `make test` (session 30, a 2-core machine, seconds per file with set-up:
-# 725, 203, 360, 391, 160, 227 in two observability files since merged into one, 110, 106, 105, about 200 in the
-# cluster tier, 84, 73, 71): under xdist they start first, so that no long file is left for one worker at the end
-# (longest-processing-time-first). The second is out of turn: the first two files go one to each worker, and every
-# longer file waits for the session's SFT start (`sft_start`, a minute or two of one core, trained by the first worker
-# that asks), so the second worker starts on a file that does not need it. Files not named keep collection order.
+# Test files roughly slowest first: under xdist they start first, so that no long file is left for one worker at the
+# end (longest-processing-time-first). Seconds per file, set-up included, in session 30's first `make test` (2 cores),
+# before that session shortened the real-trainer, `daedalus run`, train-endpoint and observability files: 725, 203,
+# 360, 391, ~200 for the cluster tier, 227 for the two observability files since merged into one, 110, 106, 105, 84,
+# 160, 73, 71. The second is out of turn: the first two files go one to each worker, and the longer ones wait for the
+# session's SFT start (`sft_start`, a minute or two of one core, trained by the first worker that asks), so the second
+# worker starts on a file that does not need it. Files not named keep collection order after these.
 _LONGEST_FIRST = (
     "e2e/test_grpo_run.py", "operator/test_operator_e2e.py", "e2e/test_daedalus_run.py",
-    "operator/test_operator_real_trainer.py", "e2e/test_train_endpoint.py", "observability/test_dashboards.py",
-    "bench/test_bench_smoke.py", "operator/test_submit.py", "e2e/test_grpo_learns.py", "cluster",
-    "unit/test_vllm_rollout.py", "unit/test_cli.py", "operator/test_operator_kmock.py",
+    "operator/test_operator_real_trainer.py", "cluster", "observability/test_dashboards.py",
+    "bench/test_bench_smoke.py", "operator/test_submit.py", "e2e/test_grpo_learns.py", "unit/test_vllm_rollout.py",
+    "e2e/test_train_endpoint.py", "unit/test_cli.py", "operator/test_operator_kmock.py",
 )
 
 

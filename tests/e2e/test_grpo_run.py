@@ -76,7 +76,8 @@ def test_run_learns_something_real(uninterrupted, sft_start):
 
 def test_a_rerun_of_a_finished_run_without_a_final_evaluation_starts_no_actor(uninterrupted, sft_start, tmp_path):
     """Resumed at its last step with no final evaluation (``daedalus run``'s Trainer): the result a resume with no
-    step left gives, the adapter exported again from the checkpoint, and no actor in Ray's actor table. With the final
+    step left gives, a waiting checkpoint request answered by that checkpoint, the adapter exported again from it,
+    and no actor in Ray's actor table. With the final
     evaluation (``daedalus train``'s) the actors are still needed."""
     import shutil
 
@@ -88,8 +89,11 @@ def test_a_rerun_of_a_finished_run_without_a_final_evaluation_starts_no_actor(un
         CheckpointManager(tmp_path / "checkpoints", keep=3).resume("latest")) is False  # final_eval on
     actors_before = len(ray_state.actors())
     trainer = Trainer(job, tmp_path, start_dir=str(sft_start), final_eval=False)
+    ticket = trainer.control.request_checkpoint()  # a POST /checkpoint waiting as the run starts
     result = trainer.train("latest")
     assert len(ray_state.actors()) == actors_before
+    answer = trainer.control.wait(ticket, timeout=0)  # answered by the checkpoint resumed from
+    assert answer is not None and answer.error is None and answer.step == 6
     assert (result.steps_done, result.resumed_from, result.stopped) == (6, 6, False)
     assert result.latest_checkpoint.step == 6 and result.history == full.history
     assert trainer.control.status()["phase"] == "finished" and trainer.control.status()["step"] == 6

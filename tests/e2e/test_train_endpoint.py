@@ -151,9 +151,9 @@ def test_a_tiny_job_without_an_sft_start_says_why_grpo_cannot_learn(tmp_path):
     without model.sftAdapter the policy is random weights. It says so at the start; each step's unparseable replies
     are put down to the missing format (not to a collapse, whose advice, a lower learning rate, would not help), and
     the steps whose groups all had one reward are said to teach nothing."""
-    # 4 turns of 6 tokens: random weights write no action however long they are given (fewer tokens to sample)
+    # 4 turns (the suite's 16 are not needed to show that random weights write no action)
     job = tiny_job_dict(algorithm={"steps": 2, "mazesPerStep": 2, "groupSize": 2, "evalIntervalSteps": 0,
-                                   "maxTokensPerTurn": 6, "rolloutWorkers": 1},
+                                   "rolloutWorkers": 1},
                         environment={"evalMazes": 2, "maxTurns": 4}, checkpoint={"intervalSteps": 2})
     job["spec"]["model"].pop("sftAdapter", None)
     cfg = tmp_path / "config.json"

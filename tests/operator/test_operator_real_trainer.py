@@ -29,12 +29,13 @@ def env(tmp_path: Path, ray_head):
     e.stop()
 
 
-def _real_trainer_job(env: OperatorEnv, sft_start: Path, *, steps: int, interval: int, hyperpod: bool) -> dict:
-    """A small real-trainer job (2 mazes x 4 episodes per step, arrival within 16 turns, one rollout worker: its
-    actors start sooner than with the default two) starting from ``sft_start``."""
+def _real_trainer_job(env: OperatorEnv, sft_start: Path, *, steps: int, interval: int, hyperpod: bool,
+                      rollout_workers: int = 1) -> dict:
+    """A small real-trainer job (2 mazes x 4 episodes per step, arrival within 16 turns) starting from
+    ``sft_start``; one rollout worker unless told (the actors start sooner than with the automatic two)."""
     manifest = env.job_manifest(
         algorithm__steps=steps, algorithm__groupSize=4, algorithm__mazesPerStep=2, algorithm__maxTokensPerTurn=10,
-        algorithm__rolloutWorkers=1,
+        algorithm__rolloutWorkers=rollout_workers,
         environment__evalMazes=16, environment__successOn="arrival", environment__maxTurns=16,
         checkpoint__intervalSteps=interval, resilience__hyperPod=hyperpod)
     manifest["spec"]["model"]["sftAdapter"] = str(sft_start)
@@ -42,7 +43,7 @@ def _real_trainer_job(env: OperatorEnv, sft_start: Path, *, steps: int, interval
 
 
 def test_node_replacement_with_the_real_trainer_loses_no_step(env: OperatorEnv, sft_start: Path) -> None:
-    manifest = _real_trainer_job(env, sft_start, steps=STEPS, interval=100, hyperpod=True)
+    manifest = _real_trainer_job(env, sft_start, steps=STEPS, interval=100, hyperpod=True, rollout_workers=0)
     env.apply(manifest)
     st = env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= 2, timeout=400,
                          message="attempt 1 stepping with the real trainer")
@@ -62,7 +63,7 @@ def test_node_replacement_with_the_real_trainer_loses_no_step(env: OperatorEnv, 
     assert checkpoints == [f"step-{stop_step:06d}", f"step-{STEPS:06d}"]
     state = json.loads((env.trainer_root() / "checkpoints" / f"step-{STEPS:06d}" / "trainer_state.json").read_text())
     assert [h["step"] for h in state["metric_history"]] == list(range(1, STEPS + 1))  # every step once
-    assert state["extra"]["rollout_workers"] == 1  # the spec's algorithm.rolloutWorkers, through the operator
+    assert state["extra"]["rollout_workers"] == 2  # automatic (rolloutWorkers 0) on CPU, on the real Ray head
     assert st["currentStep"] == STEPS
     assert (Path(st["adapterPath"]) / "adapter_config.json").is_file()
     print(f"\nreal trainer: node replacement at step >= 2, resumed from {stop_step}, lost 0, "
@@ -102,6 +103,7 @@ def test_killed_real_trainer_resumes_from_the_last_periodic_checkpoint(env: Oper
     assert 0 <= rec["lostSteps"] <= interval, rec
     state = json.loads((env.trainer_root() / "checkpoints" / f"step-{steps:06d}" / "trainer_state.json").read_text())
     assert [h["step"] for h in state["metric_history"]] == list(range(1, steps + 1))
+    assert state["extra"]["rollout_workers"] == 1  # the spec's algorithm.rolloutWorkers, through the operator
     assert (Path(st["adapterPath"]) / "adapter_config.json").is_file()
     print(f"\nreal trainer killed: resumed from periodic checkpoint {resumed}, lost {rec['lostSteps']} "
           f"(interval {interval})")
