@@ -587,12 +587,7 @@ class Trainer:
         from daedalus_trainer.checkpoint import export_adapter
 
         step, info = loaded.step, loaded.info
-        self.control.set_status(step=step, latest_checkpoint=info, resumed_from=step)
-        self.metrics.set_step(step)
-        self.metrics.set_latest_checkpoint(info)
-        log.info("resumed from %s (step %d): the run's last step, nothing left to train", loaded.path, step)
-        if self.on_resume:
-            self.on_resume(step)
+        self._announce_resume(loaded, ": the run's last step, nothing left to train")
         adapter_dir = export_adapter(info, self.run_dir / "exports" / "adapter")
         self.control.set_status(adapter_path=adapter_dir)
         if self.control.checkpoint_requested():
@@ -600,6 +595,16 @@ class Trainer:
         self.control.set_status(phase="finished")
         return TrainResult(step, step, info, adapter_dir, list(loaded.trainer_state.metric_history), False,
                            time.perf_counter() - started)
+
+    def _announce_resume(self, loaded: LoadedCheckpoint, why: str = "") -> None:
+        """Make a resume from ``loaded`` known: ``/status`` (step, latest checkpoint, resumedFrom), the step and
+        checkpoint metrics, a log line (``why`` appended), and ``on_resume``."""
+        self.control.set_status(step=loaded.step, latest_checkpoint=loaded.info, resumed_from=loaded.step)
+        self.metrics.set_step(loaded.step)
+        self.metrics.set_latest_checkpoint(loaded.info)
+        log.info("resumed from %s (step %d)%s", loaded.path, loaded.step, why)
+        if self.on_resume:
+            self.on_resume(loaded.step)
 
     def _expected_adapter(self) -> dict[str, Any]:
         """The :func:`~daedalus_trainer.policy.adapter_signature` of the adapter this run trains: the SFT adapter's
@@ -645,12 +650,7 @@ class Trainer:
             history = list(loaded.trainer_state.metric_history)
             step = loaded.step
             latest = loaded.info
-            self.control.set_status(step=step, latest_checkpoint=latest, resumed_from=step)
-            self.metrics.set_step(step)
-            self.metrics.set_latest_checkpoint(latest)
-            log.info("resumed from %s (step %d)", loaded.path, step)
-            if self.on_resume:
-                self.on_resume(step)
+            self._announce_resume(loaded)
             before = loaded.trainer_state.extra.get("rollout_workers")
             if before is not None and before != len(workers):
                 log.warning("resumed with %d rollout workers where the checkpoint's run had %s: the mazes of every "
