@@ -574,8 +574,9 @@ class Trainer:
 
     def nothing_to_train(self, loaded: LoadedCheckpoint | None) -> bool:
         """Whether a run resumed from ``loaded`` needs no actor, and so no Ray: ``loaded`` is the checkpoint of the
-        last step (``algorithm.steps``, or a later one after ``steps`` was lowered) and this trainer runs no final evaluation (``daedalus run`` evaluates after
-        training itself; ``daedalus train`` evaluates the final adapter again, on its actors). :meth:`train` then
+        last step (``algorithm.steps``, or a later one after ``steps`` was lowered) and this trainer runs no final
+        evaluation (``daedalus run`` evaluates after training itself; ``daedalus train`` evaluates the final adapter
+        again, on its actors). :meth:`train` then
         returns at once instead of starting the actors (13-16 s on an idle 2-core machine, measured in session 30)
         to run no step, and ``daedalus run`` leaves its local Ray unstarted (another ~6 s there)."""
         return loaded is not None and loaded.step >= self.job.spec.algorithm.steps and not self.final_eval
@@ -586,14 +587,14 @@ class Trainer:
         (verified against the manifest; a copy, milliseconds), no actor started."""
         from daedalus_trainer.checkpoint import export_adapter
 
-        step, info = loaded.step, loaded.info
+        info = loaded.info
         self._announce_resume(loaded, ": the run's last step, nothing left to train")
         adapter_dir = export_adapter(info, self.run_dir / "exports" / "adapter")
         self.control.set_status(adapter_path=adapter_dir)
         if self.control.checkpoint_requested():
             self.control.checkpoint_done(info)
         self.control.set_status(phase="finished")
-        return TrainResult(step, step, info, adapter_dir, list(loaded.trainer_state.metric_history), False,
+        return TrainResult(info.step, info.step, info, adapter_dir, list(loaded.trainer_state.metric_history), False,
                            time.perf_counter() - started)
 
     def _announce_resume(self, loaded: LoadedCheckpoint, why: str = "") -> None:
@@ -1016,6 +1017,11 @@ class ActorLayout:
         return self.learner.get("num_gpus", 0) + self.workers * self.worker.get("num_gpus", 0)
 
     @property
+    def cpus(self) -> float:
+        """CPUs requested by all actors together."""
+        return self.learner.get("num_cpus", 0) + self.workers * self.worker.get("num_cpus", 0)
+
+    @property
     def shares_gpus(self) -> bool:
         """Whether some actor holds a fraction of a GPU (Ray ``num_gpus`` in (0, 1)), so that it may share that GPU
         with another actor: :meth:`Trainer._actors` then starts the actors one at a time (:func:`start_actors`)."""
@@ -1036,9 +1042,8 @@ def check_layout_fits(layout: ActorLayout, resources: Mapping[str, float]) -> No
             ``algorithm.rolloutWorkers`` and the counts. For example one CPU worker of ``cpu: "1"`` (the head has 0 Ray
             CPUs) with the automatic two workers: the learner and both need 1.5 CPUs.
     """
-    cpus = layout.learner.get("num_cpus", 0) + layout.workers * layout.worker.get("num_cpus", 0)
     have_cpus, have_gpus = float(resources.get("CPU", 0)), float(resources.get("GPU", 0))
-    for kind, need, have in (("CPUs", cpus, have_cpus), ("GPUs", layout.gpus, have_gpus)):
+    for kind, need, have in (("CPUs", layout.cpus, have_cpus), ("GPUs", layout.gpus, have_gpus)):
         if need > have + 1e-9:
             raise ValueError(
                 f"the learner and {layout.workers} rollout workers need {need:g} {kind} but the Ray cluster has "
