@@ -448,8 +448,10 @@ class ControlPlane:
         is complete), oldest first; only those of ``user`` (e.g. ``system:serviceaccount:NS:NAME``) when given.
 
         Each is an ``audit.k8s.io/v1`` Event: ``verb``, ``user.username``, ``objectRef`` (resource, namespace,
-        apiGroup, subresource, name), ``responseStatus.code`` (403: refused by the authorizer). The log backend
-        writes an event before the response goes out, so a request answered before this call is in the list.
+        apiGroup, subresource, name), ``responseStatus.code`` (403: refused by the authorizer). The server writes
+        the ResponseComplete event after its handler returns (``WithAudit``'s deferred ``processAuditEvent``), so a
+        request already counted in ``apiserver_request_total``, or whose answer the client already has, may reach
+        the log a moment later: a caller that compares the two waits for the log.
         """
         import json
 
