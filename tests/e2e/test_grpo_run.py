@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from daedalus_trainer.checkpoint import CheckpointManager
+from daedalus_trainer.checkpoint import CheckpointManager, load_latest
 from daedalus_trainer.config import parse_job
 from daedalus_trainer.grpo import Trainer, learning_rate_at
 from daedalus_trainer.server import ControlState
@@ -72,6 +72,9 @@ def test_run_learns_something_real(uninterrupted, sft_start):
     assert all("lora_" in k for k in adapter)
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")) == [
         "step-000003", "step-000006"]
+    # the rollout engine it used (the default, "auto", on a machine without a GPU) is in its checkpoints
+    assert _trainer_state(run / "checkpoints" / "step-000006")["extra"]["rollout_engine"] == "transformers"
+    assert load_latest(run / "checkpoints").trainer_state.extra["rollout_engine"] == "transformers"
 
 
 def test_a_rerun_of_a_finished_run_without_a_final_evaluation_starts_no_actor(uninterrupted, sft_start, tmp_path):
@@ -269,7 +272,7 @@ def test_resume_refuses_a_checkpoint_of_another_run_and_allows_more_steps(uninte
     the same start copied with its modification times (shutil.copytree)."""
     import shutil
 
-    from daedalus_trainer.checkpoint import CheckpointError, load_latest
+    from daedalus_trainer.checkpoint import CheckpointError
     from daedalus_trainer.grpo import check_same_run, run_identity
 
     job, run, _ = uninterrupted

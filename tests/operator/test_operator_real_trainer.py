@@ -81,34 +81,6 @@ def _trainer_pids(config_dir: Path) -> list[int]:
     return pids
 
 
-def test_killed_real_trainer_resumes_from_the_last_periodic_checkpoint(env: OperatorEnv, sft_start: Path) -> None:
-    import os
-    import signal
-
-    steps, interval = 8, 3
-    manifest = _real_trainer_job(env, sft_start, steps=steps, interval=interval, hyperpod=False)
-    env.apply(manifest)
-    env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= interval + 1, timeout=400,
-                    message="attempt 1 past its first periodic checkpoint")
-    pids = _trainer_pids(env.volumes / "etc-daedalus")  # Ray's shell wrapper and the trainer under it
-    assert 1 <= len(pids) <= 2, pids
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)  # abrupt: no checkpoint, no answer
-    st = env.wait_status(lambda s: s.get("submissionId", "").endswith("-a2"), timeout=300, message="attempt 2")
-    st = env.wait_phase("Succeeded", timeout=600)
-    rec = st["lastRecovery"]
-    assert rec["reason"] == "JobFailed" and st["restarts"] == 1, rec
-    resumed = rec["resumedFromStep"]
-    assert resumed >= interval and resumed % interval == 0, rec  # a periodic checkpoint, from the trainer's /status
-    assert 0 <= rec["lostSteps"] <= interval, rec
-    state = json.loads((env.trainer_root() / "checkpoints" / f"step-{steps:06d}" / "trainer_state.json").read_text())
-    assert [h["step"] for h in state["metric_history"]] == list(range(1, steps + 1))
-    assert state["extra"]["rollout_workers"] == 1  # the spec's algorithm.rolloutWorkers, through the operator
-    assert (Path(st["adapterPath"]) / "adapter_config.json").is_file()
-    print(f"\nreal trainer killed: resumed from periodic checkpoint {resumed}, lost {rec['lostSteps']} "
-          f"(interval {interval})")
-
-
 def _trainer_step(env: OperatorEnv) -> int | None:
     """The real trainer's latest completed step from its own ``GET /status`` (no operator involved), or ``None``."""
     import urllib.error
@@ -121,15 +93,26 @@ def _trainer_step(env: OperatorEnv) -> int | None:
         return None
 
 
-def test_operator_restart_mid_run_with_the_real_trainer_never_submits_twice(env: OperatorEnv, sft_start: Path) -> None:
-    """Issue #5 acceptance "restart the operator mid-run -> no second submission, status intact", with the real
-    trainer: the operator thread is stopped while the trainer steps, the trainer steps on alone, a new operator (a
-    fresh ``run``: new runtime, new kopf registry, nothing remembered in memory) adopts the job from its status."""
+def test_operator_restart_then_a_killed_trainer_one_submission_each_and_resume_from_a_periodic_checkpoint(
+        env: OperatorEnv, sft_start: Path) -> None:
+    """Two issue #5 acceptance scenarios with the real trainer, on one job (each costs a Ray job, a trainer process
+    and its actors):
+
+    1. "restart the operator mid-run -> no second submission, status intact": the operator thread is stopped while
+       the trainer steps, the trainer steps on alone, a new operator (a fresh ``run``: new runtime, new kopf registry,
+       nothing remembered in memory) adopts attempt 1 from its status.
+    2. Then the trainer is killed (SIGKILL: no checkpoint, no answer) under that new operator: attempt 2 resumes from
+       the last periodic checkpoint, which the operator read from the trainer's ``/status``, losing at most an
+       interval of steps. Attempt 1 is never submitted again, before or after the kill.
+    """
+    import os
+    import signal
+
     from fake_kuberay import wait_for
 
     from daedalus_operator.submit import RayJobs
 
-    steps, interval = 8, 2
+    steps, interval = 14, 3
     manifest = _real_trainer_job(env, sft_start, steps=steps, interval=interval, hyperpod=False)
     job = env.apply(manifest)
     before = env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= interval + 1
@@ -142,29 +125,47 @@ def test_operator_restart_mid_run_with_the_real_trainer_never_submits_twice(env:
         _trainer_step(env)), timeout=120, message="the trainer to step on without an operator")
     frozen = env.status()
     assert frozen["currentStep"] <= stopped_at < stepped_alone and frozen["submissionId"] == before["submissionId"]
-    assert stepped_alone < steps, "the job finished before the new operator started: raise steps"
+    assert stepped_alone < steps - 2, "the job is about to finish before the new operator starts: raise steps"
 
     env.start_operator()
-    resumed = env.wait_status(lambda s: s.get("currentStep", 0) >= stepped_alone, timeout=60,
+    adopted = env.wait_status(lambda s: s.get("currentStep", 0) >= stepped_alone, timeout=60,
                               message="the new operator reading the trainer's progress")
-    assert resumed["submissionId"] == before["submissionId"] and resumed["attempt"] == 1
-    assert resumed["restarts"] == 0 and resumed["startTime"] == before["startTime"]
-    assert resumed["latestCheckpoint"]["step"] >= before["latestCheckpoint"]["step"]
-    st = env.wait_phase("Succeeded", timeout=300)
+    assert adopted["submissionId"] == before["submissionId"] and adopted["attempt"] == 1
+    assert adopted["restarts"] == 0 and adopted["startTime"] == before["startTime"]
+    assert adopted["latestCheckpoint"]["step"] >= before["latestCheckpoint"]["step"]
+    prefix = f"local-tiny-{job['metadata']['uid'].replace('-', '')[:8]}-a"
+
+    def submitted() -> list[str]:
+        """The submission ids of this job on the real Ray head (its own list), oldest first."""
+        return sorted(j.submission_id for j in RayJobs(env.ray.dashboard_url)._c().list_jobs()
+                      if (j.submission_id or "").startswith(prefix))
 
     # one attempt, one submission: the new operator adopted attempt 1 instead of submitting again
-    assert st["submissionId"] == before["submissionId"] and st["submissionId"].endswith("-a1")
-    assert st["attempt"] == 1 and st["restarts"] == 0 and "lastFailure" not in st and "lastRecovery" not in st
+    assert submitted() == [before["submissionId"]]
+
+    # 2. the trainer killed under the new operator
+    pids = _trainer_pids(env.volumes / "etc-daedalus")  # Ray's shell wrapper and the trainer under it
+    assert 1 <= len(pids) <= 2, pids
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    env.wait_status(lambda s: s.get("submissionId", "").endswith("-a2"), timeout=300, message="attempt 2")
+    st = env.wait_phase("Succeeded", timeout=600)
+    rec = st["lastRecovery"]
+    assert rec["reason"] == "JobFailed" and st["restarts"] == 1 and st["attempt"] == 2, rec
+    resumed = rec["resumedFromStep"]
+    # a periodic checkpoint, from the trainer's /status, no older than the one the new operator saw on adopting
+    assert resumed % interval == 0 and resumed >= adopted["latestCheckpoint"]["step"], rec
+    assert 0 <= rec["lostSteps"] <= interval, rec
     assert st["startTime"] == before["startTime"] and st["currentStep"] == steps
     assert st["latestCheckpoint"]["step"] == steps
-    prefix = f"local-tiny-{job['metadata']['uid'].replace('-', '')[:8]}-a"
-    submitted = [j.submission_id for j in RayJobs(env.ray.dashboard_url)._c().list_jobs()
-                 if (j.submission_id or "").startswith(prefix)]
-    assert submitted == [before["submissionId"]], submitted  # the real Ray head's own list
+    a1 = before["submissionId"]
+    assert a1.endswith("-a1") and submitted() == [a1, st["submissionId"]] and st["submissionId"] == a1[:-1] + "2"
     reasons = env.event_reasons()
-    assert reasons.count("Submitted") == 1 and "Resubmitted" not in reasons, reasons
+    assert reasons.count("Submitted") == 1 and reasons.count("Resubmitted") == 1, reasons
     state = json.loads((env.trainer_root() / "checkpoints" / f"step-{steps:06d}" / "trainer_state.json").read_text())
     assert [h["step"] for h in state["metric_history"]] == list(range(1, steps + 1))  # each step once
+    assert state["extra"]["rollout_workers"] == 1  # the spec's algorithm.rolloutWorkers, through the operator
     assert (Path(st["adapterPath"]) / "adapter_config.json").is_file()
     print(f"\nreal trainer, operator restart: stopped at trainer step {stopped_at}, trainer alone reached "
-          f"{stepped_alone}, one submission ({st['submissionId']}), Succeeded at step {st['currentStep']}")
+          f"{stepped_alone}, adopted with one submission; killed: resumed from periodic checkpoint {resumed}, lost "
+          f"{rec['lostSteps']} (interval {interval}), Succeeded at step {st['currentStep']}")
