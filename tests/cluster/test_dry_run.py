@@ -136,6 +136,20 @@ def test_example_passes_server_side_dry_run_unpruned_and_defaulted(kube, namespa
     assert err.value.status == 404
 
 
+def test_a_null_the_crd_does_not_allow_is_defaulted_by_the_server_as_daedalus_validate_reads_it(kube, namespace):
+    """`podSecurity:` with no value and `klCoef: null`: the real server drops each non-nullable null and stores the
+    default, and a nullable one (`model.sftAdapter`) keeps its null; `parse_job` (what `daedalus validate` and
+    `daedalus run` read a job with) reads the manifest sent to the same spec the server stored. It used to refuse
+    the nulls the server takes."""
+    body = example("local-tiny.yaml", namespace, cluster__podSecurity=None, algorithm__klCoef=None,
+                   model__sftAdapter=None)
+    assert body["spec"]["cluster"]["podSecurity"] is None
+    answer = dry_run(kube, body)
+    assert answer["spec"]["cluster"]["podSecurity"] == "restricted" and answer["spec"]["algorithm"]["klCoef"] == 0
+    assert "sftAdapter" in answer["spec"]["model"] and answer["spec"]["model"]["sftAdapter"] is None
+    assert parse_job(body).spec == job_view(answer).spec
+
+
 @pytest.mark.parametrize("dotted,value,field", [
     ("environment__observation", "video", "spec.environment.observation"),
     ("lora__rank", 0, "spec.lora.rank"),

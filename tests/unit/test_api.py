@@ -343,10 +343,8 @@ def test_kind_api_version_name_and_spec_are_required():
         c.parse_job(obj)
     assert info.value.errors == [("spec", "must be a mapping: the job's desired state (model, algorithm, environment, "
                                           "...); got an empty value")]
-    # a nested section may still be left out for its defaults, and the hint says so
-    with pytest.raises(c.SpecError) as info:
-        c.parse_job(_set(_local(), "spec.checkpoint", None))
-    assert "leave it out for the defaults" in dict(info.value.errors)["spec.checkpoint"]
+    # a nested section left empty is defaulted, as the API server defaults it (its null is pruned first)
+    assert c.parse_job(_set(_local(), "spec.checkpoint", None)).spec.checkpoint == c.CheckpointSpec()
     # with both spec and metadata missing, both are named (and nothing about the spec's defaults)
     obj = _local()
     del obj["spec"], obj["metadata"]
@@ -374,6 +372,37 @@ def test_unknown_field_is_an_error():
     with pytest.raises(c.SpecError) as info:
         c.parse_job(_set(_local(), "spec.algorithm.groupSzie", 4))
     assert ("spec.algorithm.groupSzie", "unknown field (did you mean 'groupSize'?)") in info.value.errors
+
+
+def test_a_null_the_crd_does_not_allow_is_dropped_and_defaulted_as_the_api_server_does(schema):
+    """`podSecurity:` with no value (YAML null) is read as left out, so it is defaulted ("restricted"), as the API
+    server prunes a non-nullable null before defaulting (tests/cluster/test_dry_run.py checks that on the real
+    server); a field the CRD makes nullable keeps its null; the manifest passed in is not modified."""
+    base = _local()
+    text = yaml.safe_dump(base).replace("  cluster:\n", "  cluster:\n    podSecurity:\n", 1)
+    job = _set(yaml.safe_load(text), "spec.algorithm.klCoef", None)
+    job = _set(job, "spec.cluster.workerGroups", [dict(base["spec"]["cluster"]["workerGroups"][0], shmSize=None)])
+    assert job["spec"]["cluster"]["podSecurity"] is None and job["spec"]["algorithm"]["klCoef"] is None
+    sent = copy.deepcopy(job)
+    parsed = c.parse_job(job)
+    assert job == sent
+    assert parsed.spec.cluster.pod_security == "restricted" and parsed.spec.algorithm.kl_coef == 0
+    assert parsed.model_dump() == c.parse_job(_set(base, "spec.cluster.workerGroups", [
+        {k: v for k, v in base["spec"]["cluster"]["workerGroups"][0].items() if k != "shmSize"}])).model_dump()
+    # the same pruning as the checked-in CRD's schema gives
+    assert crd.prune_nulls(sent, schema) == crd.prune_nulls(sent)
+    # nullable in the CRD (an optional path): the null stays, and means "none"
+    assert schema["properties"]["spec"]["properties"]["model"]["properties"]["sftAdapter"]["nullable"] is True
+    kept = crd.prune_nulls(_set(base, "spec.model.sftAdapter", None))
+    assert "sftAdapter" in kept["spec"]["model"] and kept["spec"]["model"]["sftAdapter"] is None
+    assert c.parse_job(_set(base, "spec.model.sftAdapter", None)).spec.model.sft_adapter is None
+    # a wrong type is still an error, and a null under an unknown field is still an unknown field
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(_set(base, "spec.cluster.podSecurity", 3))
+    assert [p for p, _ in info.value.errors] == ["spec.cluster.podSecurity"]
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(_set(base, "spec.cluster.podSecurty", None))
+    assert [p for p, _ in info.value.errors] == ["spec.cluster.podSecurty"]
 
 
 def test_validate_cli_reports_paths(tmp_path):

@@ -1154,8 +1154,6 @@ def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
                    f"(RFC 1123); got {err.get('input')!r}")
         elif empty and loc == ("spec",):
             msg = "must be a mapping: the job's desired state (model, algorithm, environment, ...); got an empty value"
-        elif empty:
-            msg = "must be a mapping; got an empty value (give the section fields, or leave it out for the defaults)"
         elif err["type"] == "model_type":
             msg = f"must be a mapping of fields; got {type(err.get('input')).__name__} {_shown(err.get('input'))}"
         elif err["type"] == "extra_forbidden":
@@ -1177,7 +1175,9 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
 
     Every command reads a job through here (``daedalus validate``, and :func:`load_job` for ``run``, ``train``,
     ``sft`` and ``eval``), so all of them require what Kubernetes requires: ``apiVersion``, ``kind``,
-    ``metadata.name`` (a DNS label; no default name, see :class:`ObjectMeta`) and ``spec``.
+    ``metadata.name`` (a DNS label; no default name, see :class:`ObjectMeta`) and ``spec``. A spec field that is null
+    where the CRD does not allow null is dropped first, as the API server drops it
+    (:func:`daedalus_trainer.crd.prune_nulls`), and so defaulted.
 
     Raises:
         SpecError: with every problem and its field path (e.g. ``spec.environment.size``).
@@ -1199,6 +1199,13 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
         errors.append(("apiVersion", f"expected {API_VERSION!r}, got {_shown(api_version)}"))
     if kind is not None and kind != KIND:
         raise SpecError(errors, source)  # another kind of object: its fields say nothing about a job's
+    # A spec field set to null (`podSecurity: null`, `checkpoint:` with no value) where the CRD does not allow null
+    # is dropped by the API server before it defaults and validates, so it is defaulted as if left out. The top-level
+    # keys keep their own messages below (`spec:` or `metadata:` left empty is a mistake worth naming).
+    if isinstance(obj.get("spec"), dict):
+        from daedalus_trainer.crd import prune_nulls  # crd builds its schema from this module
+
+        obj = {**obj, "spec": prune_nulls({"spec": obj["spec"]})["spec"]}
     # Top-level keys are checked here: a misspelt `spec` is then one error about the spelling (and `spec` missing).
     top = set(_fields_of(RLTrainingJob))
     errors.extend((k, _unknown_field_message((k,))) for k in obj if k not in top)

@@ -14,6 +14,7 @@ spec sections a running job cannot take a change of get the CEL transition rule 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import yaml
@@ -254,4 +255,44 @@ def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
                 obj[name] = apply_defaults(prop, obj[name])
     elif isinstance(obj, list) and "items" in schema:
         obj = [apply_defaults(schema["items"], item) for item in obj]
+    return obj
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_for_reading() -> dict[str, Any]:
+    """:func:`openapi_schema`, built once per process for :func:`prune_nulls` (callers must not modify it)."""
+    return openapi_schema()
+
+
+def prune_nulls(obj: Any, schema: dict[str, Any] | None = None) -> Any:
+    """``obj`` without the nulls the API server drops before it validates a custom resource: every object property
+    (or ``additionalProperties`` entry) that is ``null`` where its schema is not ``nullable: true``. A dropped field is
+    then defaulted, or reported as required, exactly as if it had been left out, both by the API server and by
+    :func:`daedalus_trainer.config.parse_job`. Nulls a schema allows (``nullable: true``: an optional field such as
+    ``model.sftAdapter``) stay; list items are pruned inside but never removed.
+
+    Source: Kubernetes apiextensions-apiserver, ``schema/defaulting`` (``PruneNonNullableNullsWithoutDefaults``, then
+    ``Default`` replacing a non-nullable null that has a default; kubernetes/kubernetes#95423, Kubernetes 1.20), and
+    the "Defaulting and Nullable" section of the CustomResourceDefinition docs.
+
+    ``schema``: a structural schema; the RLTrainingJob CRD's (:func:`openapi_schema`) when not given. Returns a new
+    object; ``obj`` is not modified. Never raises: a value of the wrong type is left for validation to report.
+    """
+    if schema is None:
+        schema = _schema_for_reading()
+    if isinstance(obj, dict):
+        properties = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        out = {}
+        for key, value in obj.items():
+            sub = properties.get(key, extra if isinstance(extra, dict) else None)
+            if sub is None:  # not in the schema: kept, for validation to call it an unknown field
+                out[key] = value
+            elif value is None and not sub.get("nullable", False):
+                continue
+            else:
+                out[key] = prune_nulls(value, sub)
+        return out
+    if isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        return [prune_nulls(item, schema["items"]) for item in obj]
     return obj
