@@ -450,8 +450,8 @@ class ControlPlane:
         Each is an ``audit.k8s.io/v1`` Event: ``verb``, ``user.username``, ``objectRef`` (resource, namespace,
         apiGroup, subresource, name), ``responseStatus.code`` (403: refused by the authorizer). The server writes
         the ResponseComplete event after its handler returns (``WithAudit``'s deferred ``processAuditEvent``), so a
-        request already counted in ``apiserver_request_total``, or whose answer the client already has, may reach
-        the log a moment later: a caller that compares the two waits for the log.
+        request already counted in ``apiserver_request_total`` (inside the handler) may reach the log a moment
+        later: a caller that compares the two waits for the log.
         """
         import json
 

@@ -143,9 +143,12 @@ def test_a_null_the_crd_does_not_allow_is_defaulted_by_the_server_as_daedalus_va
     the nulls the server takes."""
     body = example("local-tiny.yaml", namespace, cluster__podSecurity=None, algorithm__klCoef=None,
                    model__sftAdapter=None)
+    # a map entry without a value (additionalProperties, no default): dropped, the other entry kept
+    body["spec"]["cluster"]["workerGroups"][0]["nodeSelector"] = {"team": None, "pool": "cpu"}
     assert body["spec"]["cluster"]["podSecurity"] is None
     answer = dry_run(kube, body)
     assert answer["spec"]["cluster"]["podSecurity"] == "restricted" and answer["spec"]["algorithm"]["klCoef"] == 0
+    assert answer["spec"]["cluster"]["workerGroups"][0]["nodeSelector"] == {"pool": "cpu"}
     assert "sftAdapter" in answer["spec"]["model"] and answer["spec"]["model"]["sftAdapter"] is None
     assert parse_job(body).spec == job_view(answer).spec
 

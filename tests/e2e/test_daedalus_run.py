@@ -86,7 +86,7 @@ def test_ctrl_c_then_sigterm_then_a_finished_run_reports_and_a_rerun_resumes(sft
     4. A GRPO setting changed with the checkpoints on disk: refused before the evaluation of the start.
     """
     job = tiny_job_dict(model={"sftAdapter": str(sft_start)}, environment={"evalMazes": 8, "evalCorners": 2},
-                        algorithm={"steps": 8, "mazesPerStep": 2, "groupSize": 2, "rolloutWorkers": 1},
+                        algorithm={"steps": 8, "mazesPerStep": 2, "groupSize": 2},  # automatic rollout workers
                         checkpoint={"intervalSteps": 100})
     job["metadata"]["name"] = "run-e2e"
     job_file = tmp_path / "job.yaml"

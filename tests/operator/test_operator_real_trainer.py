@@ -112,7 +112,8 @@ def test_operator_restart_then_a_killed_trainer_one_submission_each_and_resume_f
 
     from daedalus_operator.submit import RayJobs
 
-    steps, interval = 14, 3
+    # 15: a multiple of the interval, so that even a kill after the last step's checkpoint resumes from one
+    steps, interval = 15, 3
     manifest = _real_trainer_job(env, sft_start, steps=steps, interval=interval, hyperpod=False)
     job = env.apply(manifest)
     before = env.wait_status(lambda s: s.get("phase") == "Running" and s.get("currentStep", 0) >= interval + 1
@@ -133,6 +134,7 @@ def test_operator_restart_then_a_killed_trainer_one_submission_each_and_resume_f
     assert adopted["submissionId"] == before["submissionId"] and adopted["attempt"] == 1
     assert adopted["restarts"] == 0 and adopted["startTime"] == before["startTime"]
     assert adopted["latestCheckpoint"]["step"] >= before["latestCheckpoint"]["step"]
+    assert "lastFailure" not in adopted and "lastRecovery" not in adopted
     prefix = f"local-tiny-{job['metadata']['uid'].replace('-', '')[:8]}-a"
 
     def submitted() -> list[str]:
@@ -143,7 +145,8 @@ def test_operator_restart_then_a_killed_trainer_one_submission_each_and_resume_f
     # one attempt, one submission: the new operator adopted attempt 1 instead of submitting again
     assert submitted() == [before["submissionId"]]
 
-    # 2. the trainer killed under the new operator
+    # 2. the trainer killed under the new operator, while it still has steps to train
+    assert (_trainer_step(env) or 0) < steps - 1, "the job is about to finish before the kill: raise steps"
     pids = _trainer_pids(env.volumes / "etc-daedalus")  # Ray's shell wrapper and the trainer under it
     assert 1 <= len(pids) <= 2, pids
     for pid in pids:
@@ -160,7 +163,7 @@ def test_operator_restart_then_a_killed_trainer_one_submission_each_and_resume_f
     assert st["latestCheckpoint"]["step"] == steps
     a1 = before["submissionId"]
     assert a1.endswith("-a1") and submitted() == [a1, st["submissionId"]] and st["submissionId"] == a1[:-1] + "2"
-    reasons = env.event_reasons()
+    reasons = env.wait_event_reasons("Submitted", "Resubmitted")
     assert reasons.count("Submitted") == 1 and reasons.count("Resubmitted") == 1, reasons
     state = json.loads((env.trainer_root() / "checkpoints" / f"step-{steps:06d}" / "trainer_state.json").read_text())
     assert [h["step"] for h in state["metric_history"]] == list(range(1, steps + 1))  # each step once

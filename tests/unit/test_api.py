@@ -396,6 +396,11 @@ def test_a_null_the_crd_does_not_allow_is_dropped_and_defaulted_as_the_api_serve
     kept = crd.prune_nulls(_set(base, "spec.model.sftAdapter", None))
     assert "sftAdapter" in kept["spec"]["model"] and kept["spec"]["model"]["sftAdapter"] is None
     assert c.parse_job(_set(base, "spec.model.sftAdapter", None)).spec.model.sft_adapter is None
+    # a null list item is not dropped (nor by the API server): an error that says what is wrong
+    with pytest.raises(c.SpecError) as info:
+        c.parse_job(_set(base, "spec.cluster.workerGroups", [None]))
+    assert info.value.errors == [("spec.cluster.workerGroups[0]", "must be a mapping of fields; got an empty value "
+                                                                  "(a list item with nothing after its '-'?)")]
     # a wrong type is still an error, and a null under an unknown field is still an unknown field
     with pytest.raises(c.SpecError) as info:
         c.parse_job(_set(base, "spec.cluster.podSecurity", 3))

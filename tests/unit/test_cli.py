@@ -630,6 +630,18 @@ def test_the_run_report_names_the_model_and_adapters_by_absolute_paths(tiny_chec
     assert report["before"]["model_path"] == report["after_training"]["model_path"] == str(tmp_path / "base")
 
 
+def test_the_grpo_summary_says_how_many_steps_the_timed_call_trained():
+    """`daedalus run`'s closing line: a run trained from step 0 gives all its steps and seconds; a resumed one says
+    its seconds are those of the last steps (tests/e2e/test_daedalus_run.py sees the resumed form in a real run)."""
+    from daedalus_trainer.local import grpo_summary
+
+    assert grpo_summary({"steps": 48, "grpo_wall_seconds": 300.6, "grpo_resumed_from": None}) == \
+        "GRPO steps: 48 in 301 s"
+    assert grpo_summary({"steps": 48, "grpo_wall_seconds": 130.2, "grpo_resumed_from": 28}) == \
+        "GRPO steps: 48, the last 20 in 130 s (resumed from step 28)"
+    assert grpo_summary({"steps": 6, "grpo_wall_seconds": 12.0}) == "GRPO steps: 6 in 12 s"  # a report from before
+
+
 def test_a_rerun_keeps_the_timings_of_a_readable_report_only(tmp_path, caplog):
     """A rerun of a finished run reports the timings of the call that trained, read back from ``report.json``; a
     report cut short by an interrupted in-place write is a warning naming it (this call's timings are reported),

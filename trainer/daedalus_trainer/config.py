@@ -1154,6 +1154,8 @@ def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
                    f"(RFC 1123); got {err.get('input')!r}")
         elif empty and loc == ("spec",):
             msg = "must be a mapping: the job's desired state (model, algorithm, environment, ...); got an empty value"
+        elif empty:  # a list item (`workerGroups: [null]`, a `-` with nothing after it); a null field is defaulted
+            msg = "must be a mapping of fields; got an empty value (a list item with nothing after its '-'?)"
         elif err["type"] == "model_type":
             msg = f"must be a mapping of fields; got {type(err.get('input')).__name__} {_shown(err.get('input'))}"
         elif err["type"] == "extra_forbidden":

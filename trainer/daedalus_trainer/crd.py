@@ -242,11 +242,12 @@ def render() -> str:
 def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
     """Apply structural-schema defaults to `obj` the way the API server does (apiextensions.k8s.io/v1 defaulting).
 
-    Missing properties with a `default` are set (objects then recursively defaulted), list items are defaulted with the
-    `items` schema. Returns a new object; the input is not modified. Used where no API server defaults for us (local
-    mode, kmock tests) so that every path sees the same object.
+    Nulls the schema does not allow are dropped first (:func:`prune_nulls`), then missing properties with a `default`
+    are set (objects then recursively defaulted), list items are defaulted with the `items` schema. Returns a new
+    object; the input is not modified. Used where no API server defaults for us (local mode, kmock tests) so that
+    every path sees the same object.
     """
-    obj = copy.deepcopy(obj)
+    obj = copy.deepcopy(prune_nulls(obj, schema))
     if isinstance(obj, dict) and schema.get("type") == "object":
         for name, prop in schema.get("properties", {}).items():
             if name not in obj and "default" in prop:
@@ -275,8 +276,9 @@ def prune_nulls(obj: Any, schema: dict[str, Any] | None = None) -> Any:
     ``Default`` replacing a non-nullable null that has a default; kubernetes/kubernetes#95423, Kubernetes 1.20), and
     the "Defaulting and Nullable" section of the CustomResourceDefinition docs.
 
-    ``schema``: a structural schema; the RLTrainingJob CRD's (:func:`openapi_schema`) when not given. Returns a new
-    object; ``obj`` is not modified. Never raises: a value of the wrong type is left for validation to report.
+    ``schema``: a structural schema; the RLTrainingJob CRD's (:func:`openapi_schema`) when not given. Returns new
+    dicts and lists along the schema; ``obj`` is not modified (values the schema does not describe are shared with
+    it, not copied). Never raises: a value of the wrong type is left for validation to report.
     """
     if schema is None:
         schema = _schema_for_reading()

@@ -391,14 +391,22 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
                       "group whose episodes differed in reward: nothing to learn from"
                       + (" (a stronger SFT start, a larger algorithm.groupSize or easier mazes give GRPO both outcomes "
                          "to compare)" if every else "") + "[/yellow]")
-    resumed = report["grpo_resumed_from"]
-    grpo = (f"GRPO steps: {report['steps']} in {report['grpo_wall_seconds']:.0f} s" if not resumed else
-            f"GRPO steps: {report['steps']}, the last {report['steps'] - resumed} in {report['grpo_wall_seconds']:.0f} s "
-            f"(resumed from step {resumed})")
-    console.print(f"{grpo}  whole run: {report['wall_seconds']:.0f} s  "
+    console.print(f"{grpo_summary(report)}  whole run: {report['wall_seconds']:.0f} s  "
                   f"adapter: {escape(_shown(result.adapter_dir))}  curves: {escape(_shown(curves))}  "
                   f"report: {escape(_shown(run_dir / 'report.json'))}")
     return 0
+
+
+def grpo_summary(report: dict[str, Any]) -> str:
+    """The GRPO part of `daedalus run`'s closing line, from ``report.json``'s ``steps``, ``grpo_wall_seconds``
+    (seconds) and ``grpo_resumed_from`` (the step the call that trained resumed from, or null): "GRPO steps: 48 in
+    301 s", or, for a run that resumed, how many of the steps that call trained, e.g. "GRPO steps: 48, the last 20 in
+    130 s (resumed from step 28)", so that a resumed run's seconds are not read as the whole run's."""
+    resumed = report.get("grpo_resumed_from")
+    if not resumed:
+        return f"GRPO steps: {report['steps']} in {report['grpo_wall_seconds']:.0f} s"
+    return (f"GRPO steps: {report['steps']}, the last {report['steps'] - resumed} in "
+            f"{report['grpo_wall_seconds']:.0f} s (resumed from step {resumed})")
 
 
 def _print_sft_summary(console, report_path: Path) -> None:
