@@ -28,7 +28,8 @@ help:
 # pip compiles every installed module to bytecode one file at a time (91 s of a 147 s set-up on 2 cores); installing
 # with --no-compile and then compiling site-packages on all cores gives the same .pyc files in 56 + 44 s (session 31).
 # Like pip, a file that does not compile does not fail the set-up (Python then compiles what it imports, or says
-# why): on Python 3.11 the only one is a torch test helper written for 3.12, left out with -x.
+# why): on Python 3.11 the only one is a torch test helper written for 3.12, left out with -x. (A read loop, not
+# readarray: macOS's /bin/bash is 3.2.)
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@set -e; start=$$SECONDS; \
 	test -x $(VENV)/bin/pip || $(PYTHON) -m venv $(VENV) || { echo "python venv failed (Debian: apt-get install python3-venv)"; exit 1; }; \
@@ -36,7 +37,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	echo "$(PIP) install -c constraints-cpu.txt torch==2.13.0"; $(PIP) install --no-compile -c constraints-cpu.txt torch==2.13.0; \
 	echo "$(PIP) install -c constraints-cpu.txt -e '.[operator,trainer,test]'"; \
 	$(PIP) install --no-compile -c constraints-cpu.txt -e '.[operator,trainer,test]'; \
-	readarray -t dirs < <($(PY) -c 'import os, sysconfig; print("\n".join(sorted({os.path.realpath(sysconfig.get_path(k)) for k in ("purelib", "platlib")})))'); \
+	dirs=(); while IFS= read -r d; do dirs+=("$$d"); done < <($(PY) -c 'import os, sysconfig; print("\n".join(sorted({os.path.realpath(sysconfig.get_path(k)) for k in ("purelib", "platlib")})))'); \
 	echo "$(PY) -m compileall -q -j 0 $${dirs[*]}"; \
 	out=$$(PYTHONWARNINGS=ignore $(PY) -m compileall -q -j 0 -x 'py312_intrinsics' "$${dirs[@]}" 2>&1) || \
 	  { echo "compileall: some files did not compile (not needed to run; pip ignores these too):"; echo "$$out" | tail -n 5; }; \
