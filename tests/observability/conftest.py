@@ -157,7 +157,10 @@ def prometheus(exporters: dict[str, Exporter | Missing],
     try:
         prom.wait_ready()
         for job in live:
-            prom.wait_for(f'up{{job="{job}"}} == 1')
+            # The trainer's endpoint comes up once `daedalus train` has imported torch and started its local Ray:
+            # 36 s after its launch on a loaded 2-core machine (session 31, with two kube-apiservers running beside
+            # it), past the 30 s this waited before.
+            prom.wait_for(f'up{{job="{job}"}} == 1', timeout=180.0)
         threads = [threading.Thread(target=e.drive, name=f"drive-{job}") for job, e in live.items()]
         for t in threads:
             t.start()
