@@ -247,15 +247,19 @@ def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
     object; the input is not modified. Used where no API server defaults for us (local mode, kmock tests) so that
     every path sees the same object.
     """
-    obj = copy.deepcopy(prune_nulls(obj, schema))
+    return _default_in_place(schema, copy.deepcopy(prune_nulls(obj, schema)))
+
+
+def _default_in_place(schema: dict[str, Any], obj: Any) -> Any:
+    """:func:`apply_defaults`' walk over an object it already owns (pruned and copied once, at the top)."""
     if isinstance(obj, dict) and schema.get("type") == "object":
         for name, prop in schema.get("properties", {}).items():
             if name not in obj and "default" in prop:
                 obj[name] = copy.deepcopy(prop["default"])
             if name in obj:
-                obj[name] = apply_defaults(prop, obj[name])
+                obj[name] = _default_in_place(prop, obj[name])
     elif isinstance(obj, list) and "items" in schema:
-        obj = [apply_defaults(schema["items"], item) for item in obj]
+        obj = [_default_in_place(schema["items"], item) for item in obj]
     return obj
 
 
@@ -265,7 +269,8 @@ def _schema_for_reading() -> dict[str, Any]:
     return openapi_schema()
 
 
-def prune_nulls(obj: Any, schema: dict[str, Any] | None = None) -> Any:
+def prune_nulls(obj: Any, schema: dict[str, Any] | None = None, dropped: list[str] | None = None,
+                _path: str = "") -> Any:
     """``obj`` without the nulls the API server drops before it validates a custom resource: every object property
     (or ``additionalProperties`` entry) that is ``null`` where its schema is not ``nullable: true``. A dropped field is
     then defaulted, or reported as required, exactly as if it had been left out, both by the API server and by
@@ -279,6 +284,9 @@ def prune_nulls(obj: Any, schema: dict[str, Any] | None = None) -> Any:
     ``schema``: a structural schema; the RLTrainingJob CRD's (:func:`openapi_schema`) when not given. Returns new
     dicts and lists along the schema; ``obj`` is not modified (values the schema does not describe are shared with
     it, not copied). Never raises: a value of the wrong type is left for validation to report.
+
+    ``dropped``: when given, the dotted path of each dropped field is appended to it (``spec.model.name``; list
+    items as ``[i]``), for a warning that names what was read as left out.
     """
     if schema is None:
         schema = _schema_for_reading()
@@ -291,10 +299,11 @@ def prune_nulls(obj: Any, schema: dict[str, Any] | None = None) -> Any:
             if sub is None:  # not in the schema: kept, for validation to call it an unknown field
                 out[key] = value
             elif value is None and not sub.get("nullable", False):
-                continue
+                if dropped is not None:
+                    dropped.append(f"{_path}.{key}" if _path else str(key))
             else:
-                out[key] = prune_nulls(value, sub)
+                out[key] = prune_nulls(value, sub, dropped, f"{_path}.{key}" if _path else str(key))
         return out
     if isinstance(obj, list) and isinstance(schema.get("items"), dict):
-        return [prune_nulls(item, schema["items"]) for item in obj]
+        return [prune_nulls(item, schema["items"], dropped, f"{_path}[{i}]") for i, item in enumerate(obj)]
     return obj
