@@ -147,20 +147,28 @@ def test_corrupt_latest_checkpoint_falls_back(uninterrupted, sft_start, tmp_path
         assert torch.equal(a[k], b[k]), k
 
 
-def test_stop_right_after_a_resume_answers_with_the_checkpoint_resumed_from(uninterrupted, sft_start, tmp_path):
-    """A stop that reaches a resumed trainer before its first step: no new save is needed, and the caller (the
-    operator, before a node replacement) gets the step it resumed from, not an error."""
+def test_a_stop_before_a_resumed_run_starts_is_answered_by_its_checkpoint_without_an_actor(uninterrupted, sft_start,
+                                                                                             tmp_path):
+    """A stop (the operator's, before a node replacement) that reaches a resumed trainer before its actors start:
+    no new save is needed, the caller gets the step it resumed from, not an error, and no actor is started to run
+    no step (Ray's actor table is unchanged)."""
     import shutil
+
+    import ray._private.state as ray_state
 
     job, run, _ = uninterrupted
     shutil.copytree(run / "checkpoints" / "step-000003", tmp_path / "checkpoints" / "step-000003")
     trainer = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=ONE_WORKER)
     ticket = trainer.control.request_checkpoint(stop=True)
+    actors_before = len(ray_state.actors())
     result = trainer.train("latest")
-    assert result.stopped and result.resumed_from == 3 and result.steps_done == 3
-    answer = trainer.control.wait(ticket, timeout=1.0)
+    assert len(ray_state.actors()) == actors_before
+    assert result.stopped and result.resumed_from == 3 and result.steps_done == 3 and result.adapter_dir is None
+    assert result.latest_checkpoint.step == 3 and [h["step"] for h in result.history] == [1, 2, 3]
+    answer = trainer.control.wait(ticket, timeout=0)
     assert answer is not None and answer.error is None and answer.step == 3
     assert answer.path.endswith("step-000003")
+    assert trainer.control.status()["phase"] == "stopped" and trainer.control.status()["step"] == 3
 
 
 def test_a_checkpoint_verified_by_the_caller_is_not_verified_again(uninterrupted, sft_start, tmp_path):
@@ -188,20 +196,28 @@ def test_a_checkpoint_verified_by_the_caller_is_not_verified_again(uninterrupted
         Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=ONE_WORKER).train(str(loaded.path))
 
 
-def test_resume_with_another_rollout_worker_count_warns(uninterrupted, sft_start, tmp_path, caplog):
+def test_resume_with_another_rollout_worker_count_warns_and_a_stop_then_is_answered_by_its_checkpoint(
+        uninterrupted, sft_start, tmp_path, caplog):
     """The checkpoint's run had 2 rollout workers, this one 1: the mazes stay the same but the tokens do not (each
-    worker samples its batch under its own seed), so the resume says it will not be bit-for-bit."""
+    worker samples its batch under its own seed), so the resume says it will not be bit-for-bit. A stop that comes
+    in once the actors have started, before the first step: no new save, the caller gets the step resumed from."""
     import shutil
 
     job, run, _ = uninterrupted
     shutil.copytree(run / "checkpoints" / "step-000003", tmp_path / "checkpoints" / "step-000003")
     trainer = Trainer(job, tmp_path, start_dir=str(sft_start), rollout_workers=1)
-    trainer.control.request_checkpoint(stop=True)  # resume, then stop before the first step
+    tickets = []
+    # on_resume runs once the actors hold the checkpoint's state, before the first step
+    trainer.on_resume = lambda step: tickets.append(trainer.control.request_checkpoint(stop=True))
     with caplog.at_level(logging.WARNING, logger="daedalus.grpo"):
         result = trainer.train("latest")
-    assert result.resumed_from == 3 and result.steps_done == 3
+    assert result.stopped and result.resumed_from == 3 and result.steps_done == 3
     warned = [r.getMessage() for r in caplog.records if "rollout workers" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("resumed with 1 rollout workers where the checkpoint's run had 2")
+    answer = trainer.control.wait(tickets[0], timeout=0)
+    assert answer is not None and answer.error is None and answer.step == 3
+    assert answer.path.endswith("step-000003")
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-000003"]
 
 
 def test_a_failing_loop_still_releases_its_actors(sft_start, local_ray, tmp_path, monkeypatch):

@@ -511,6 +511,8 @@ class Trainer:
         the end of the step it reaches; when that step's held-out evaluation (``algorithm.evalIntervalSteps``) is
         due, before the evaluation, so the caller does not wait for it; a stop then skips it, and the run resuming
         from that checkpoint evaluates first, so the metric history equals an uninterrupted run's (:meth:`_train`).
+        A stop already requested when a resumed run is about to start its actors is answered by the checkpoint
+        resumed from, and the run returns stopped without starting any (:meth:`_stopped_before_start`).
 
         Raises:
             daedalus_trainer.checkpoint.CheckpointCorruptError: the checkpoint to resume from fails verification
@@ -565,6 +567,8 @@ class Trainer:
         manager.abandon_other_timelines(loaded)  # only once nothing can refuse the run any more
         if self.nothing_to_train(loaded):
             return self._finished_already(loaded, started)
+        if loaded is not None and self.control.stop_requested():
+            return self._stopped_before_start(loaded, started)
         learner, workers = self._actors()
         try:
             return self._train(manager, loaded, sampler, learner, workers, started)
@@ -576,9 +580,9 @@ class Trainer:
         """Whether a run resumed from ``loaded`` needs no actor, and so no Ray: ``loaded`` is the checkpoint of the
         last step (``algorithm.steps``, or a later one after ``steps`` was lowered) and this trainer runs no final
         evaluation (``daedalus run`` evaluates after training itself; ``daedalus train`` evaluates the final adapter
-        again, on its actors). :meth:`train` then
-        returns at once instead of starting the actors (13-16 s on an idle 2-core machine, measured in session 30)
-        to run no step, and ``daedalus run`` leaves its local Ray unstarted (another ~6 s there)."""
+        again, on its actors). :meth:`train` then returns at once instead of starting the actors (13-16 s on an
+        idle 2-core machine, measured in session 30) to run no step, and ``daedalus run`` leaves its local Ray
+        unstarted (another ~6 s there)."""
         return loaded is not None and loaded.step >= self.job.spec.algorithm.steps and not self.final_eval
 
     def _finished_already(self, loaded: LoadedCheckpoint, started: float) -> TrainResult:
@@ -595,6 +599,20 @@ class Trainer:
             self.control.checkpoint_done(info)
         self.control.set_status(phase="finished")
         return TrainResult(info.step, info.step, info, adapter_dir, list(loaded.trainer_state.metric_history), False,
+                           time.perf_counter() - started)
+
+    def _stopped_before_start(self, loaded: LoadedCheckpoint, started: float) -> TrainResult:
+        """:meth:`train` of a resumed run whose stop (``POST /stop``: a node replacement, a suspend) came in before
+        its actors started: the checkpoint resumed from answers the stop and any checkpoint request (the state to
+        save is that one), and the run returns stopped without starting an actor. Starting them first would keep
+        the caller waiting while every actor imports torch and loads the model (13-16 s on CPU here, minutes for a
+        GPU model), only to stop at the first step boundary with the same answer. A due evaluation left pending by
+        that checkpoint stays pending: the next resume runs it."""
+        info = loaded.info
+        self._announce_resume(loaded, ": stopped before the actors started")
+        self.control.checkpoint_done(info)
+        self.control.set_status(phase="stopped")
+        return TrainResult(info.step, info.step, info, None, list(loaded.trainer_state.metric_history), True,
                            time.perf_counter() - started)
 
     def _announce_resume(self, loaded: LoadedCheckpoint, why: str = "") -> None:
