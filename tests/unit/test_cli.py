@@ -471,6 +471,39 @@ def test_messages_name_the_value_and_the_rule():
         assert messages and rule in messages[0] and shown in messages[0], info.value.errors
 
 
+def test_a_field_left_empty_is_named_with_the_value_used_in_its_place(tmp_path, capsys, caplog):
+    """`name:` with nothing after it is null in YAML; the API server drops such a field silently and defaults it
+    (test_api.py). `daedalus validate` still calls the job valid, and names each dropped field with what applies
+    instead; the commands that read one job (run, train, sft, eval) log the same as warnings."""
+    doc = tiny_job_dict()
+    doc["spec"]["model"]["name"] = None
+    doc["spec"]["checkpoint"] = None
+    doc["spec"]["cluster"] = {"head": {"nodeSelector": {"zone": None}}, "workerGroups": [{"name": "gpu",
+                                                                                            "replicas": None}]}
+    path = _write(tmp_path, yaml.safe_dump(doc))
+    assert cli.main(["validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    lines = [line.strip() for line in out.splitlines()]
+    assert lines[0] == f"✓ {path}: RLTrainingJob 'e2e' is valid"
+    default_checkpoint = json.dumps(c.CheckpointSpec().model_dump(by_alias=True, mode="json"))
+    assert lines[1:] == [  # in the file's order (safe_dump sorts the keys)
+        f"! spec.checkpoint: empty (null), so read as left out, as the API server reads it: the default "
+        f"{default_checkpoint} applies",
+        "! spec.cluster.head.nodeSelector.zone: empty (null), so dropped, as the API server drops it",
+        "! spec.cluster.workerGroups[0].replicas: empty (null), so read as left out, as the API server reads it: the "
+        "default 1 applies",
+        '! spec.model.name: empty (null), so read as left out, as the API server reads it: the default '
+        f'{json.dumps(c.ModelSpec().name)} applies',
+    ]
+    with caplog.at_level(logging.WARNING, logger="daedalus.config"):
+        job = c.load_job(path)
+    assert job.spec.cluster.head.node_selector == {} and job.spec.cluster.worker_groups[0].replicas == 1
+    warned = [r.getMessage() for r in caplog.records if r.name == "daedalus.config"]
+    assert warned == [f"{path}: {line[2:]}" for line in lines[1:]]
+    # nothing left empty: nothing said
+    assert c.dropped_null_notes(tiny_job_dict(), c.parse_job(tiny_job_dict())) == []
+
+
 def test_a_large_or_alias_nested_value_is_shown_cut_short(tmp_path, capsys):
     """A list where a string or number belongs is shown by its first items: YAML aliases nesting 9^6 strings (a
     "billion laughs" of depth 6; depth 9 made `daedalus validate` run for minutes) printed megabytes before."""

@@ -49,7 +49,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from daedalus_trainer.config import SpecError, duplicate_name_errors, load_documents, parse_job
+    from daedalus_trainer.config import (SpecError, dropped_null_notes, duplicate_name_errors, load_documents,
+                                         parse_job)
     from daedalus_trainer.usage import UsageError
 
     if args.files.count("-") > 1:  # the second read would find standard input empty: "holds no document"
@@ -86,6 +87,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 continue
             name = escape(repr(job.metadata.name))
             console.print(f"[green]✓[/green] {escape(where)}: RLTrainingJob {name} is valid")
+            for note in dropped_null_notes(doc, job):
+                console.print(f"    [yellow]![/yellow] {escape(note)}")
     return status
 
 

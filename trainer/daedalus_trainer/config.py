@@ -18,6 +18,8 @@ import difflib
 import enum
 import functools
 import io
+import json
+import logging
 import re
 import reprlib
 import sys
@@ -1322,6 +1324,35 @@ def duplicate_name_errors(docs: list[Any]) -> dict[int, list[tuple[str, str]]]:
     return out
 
 
+def dropped_null_notes(doc: Any, job: RLTrainingJob) -> list[str]:
+    """One line per field of ``doc``'s spec that :func:`parse_job` dropped as a null the CRD does not allow (the API
+    server drops it the same way, silently: :func:`daedalus_trainer.crd.prune_nulls`), with the value ``job`` (the
+    parsed ``doc``) has in its place: a ``name:`` left empty reads as the default model, which is worth a warning.
+    Empty when nothing was dropped."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):
+        return []
+    from daedalus_trainer.crd import prune_nulls
+
+    dropped: list[str] = []
+    prune_nulls({"spec": doc["spec"]}, dropped=dropped)
+    values = job.model_dump(by_alias=True, mode="json")
+    notes = []
+    for path in dropped:
+        value: Any = values
+        for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+            if isinstance(value, list) and part.startswith("["):
+                i = int(part[1:-1])
+                value = value[i] if i < len(value) else None
+            else:
+                value = value.get(part) if isinstance(value, dict) else None
+        if value is None:
+            notes.append(f"{path}: empty (null), so dropped, as the API server drops it")
+        else:
+            notes.append(f"{path}: empty (null), so read as left out, as the API server reads it: the default "
+                         f"{json.dumps(value)} applies")
+    return notes
+
+
 def load_job(path: str | Path) -> RLTrainingJob:
     """Read the one RLTrainingJob of a YAML or JSON file (the job of ``daedalus run``, ``train``, ``sft`` and
     ``eval``). Other kinds of objects in the file are skipped; two or more jobs (documents, or items of a
@@ -1332,6 +1363,9 @@ def load_job(path: str | Path) -> RLTrainingJob:
         FileNotFoundError: the file does not exist.
         SpecError: the YAML is malformed, holds no job or more than one, or the job is invalid (every error with its
             field path).
+
+    A spec field left empty (null) where the CRD does not allow null is read as left out, as the API server reads
+    it, with a warning on the ``daedalus.config`` logger naming it and the value used (:func:`dropped_null_notes`).
     """
     docs = load_documents(path)
     source = "<stdin>" if str(path) == "-" else str(path)  # as load_documents' own errors and `validate -` name it
@@ -1341,4 +1375,7 @@ def load_job(path: str | Path) -> RLTrainingJob:
         names = ", ".join(repr(key[1]) if (key := _doc_key(d)) else "unnamed" for d in docs)
         raise SpecError([("(file)", f"holds {len(docs)} RLTrainingJobs ({names}); daedalus run, train, sft and eval "
                                     "take one: split the file (daedalus validate checks them all)")], source)
-    return parse_job(docs[0], source=source)
+    job = parse_job(docs[0], source=source)
+    for note in dropped_null_notes(docs[0], job):
+        logging.getLogger("daedalus.config").warning("%s: %s", source, note)
+    return job
