@@ -157,9 +157,10 @@ def prometheus(exporters: dict[str, Exporter | Missing],
     try:
         prom.wait_ready()
         for job in live:
-            # The trainer's endpoint comes up once `daedalus train` has imported torch and started its local Ray:
-            # 36 s after its launch on a loaded 2-core machine (session 31, with two kube-apiservers running beside
-            # it), past the 30 s this waited before.
+            # The trainer's endpoint comes up once `daedalus train` has imported torch and started its local Ray.
+            # In session 31's failed make test (a loaded 2-core machine, two kube-apiservers beside it) the trainer
+            # log shows 14 s from Ray's first line to "Ray started" and the endpoint 3 s later; with the imports
+            # before that (launch is not logged), the 30 s this waited before ran out.
             prom.wait_for(f'up{{job="{job}"}} == 1', timeout=180.0)
         threads = [threading.Thread(target=e.drive, name=f"drive-{job}") for job, e in live.items()]
         for t in threads:
