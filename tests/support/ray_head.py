@@ -30,15 +30,34 @@ import urllib.request
 from pathlib import Path
 
 
-def distinct_free_ports(n: int) -> list[int]:
-    """``n`` different TCP ports free on 127.0.0.1 right now: each stays bound until all are chosen, so two calls of
-    :func:`free_port` cannot hand out the same port (Ray refuses a head whose components share one)."""
-    socks = []
+#: Where a Ray head's own ports are picked: below Linux's ephemeral range (``ip_local_port_range``, 32768-60999 by
+#: default) and above Ray's worker ports (10002-19999 by default; 30000-30999 for these heads). A port picked free
+#: in the ephemeral range can be handed out again before the head binds it: the head's own gRPC servers, the other
+#: test worker's Ray and every outgoing connection take ephemeral ports during the seconds ``ray start`` takes. Once
+#: the dashboard's port went to a gRPC server that way, and the readiness poll read HTTP/2 bytes (BadStatusLine).
+HEAD_PORTS = (31000, 32767)
+
+
+def distinct_free_ports(n: int, lo: int = HEAD_PORTS[0], hi: int = HEAD_PORTS[1]) -> list[int]:
+    """``n`` different TCP ports in [lo, hi] free on every address right now: each stays bound until all are chosen,
+    so two calls of :func:`free_port` cannot hand out the same port (Ray refuses a head whose components share one).
+
+    Raises:
+        RuntimeError: fewer than ``n`` free ports were found in 200 tries per port."""
+    socks: list[socket.socket] = []
     try:
         for _ in range(n):
-            s = socket.socket()
-            socks.append(s)
-            s.bind(("127.0.0.1", 0))
+            for _ in range(200):
+                s = socket.socket()
+                try:
+                    s.bind(("", random.randint(lo, hi)))
+                except OSError:
+                    s.close()
+                    continue
+                socks.append(s)
+                break
+            else:
+                raise RuntimeError(f"fewer than {n} free ports in [{lo}, {hi}]")
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
