@@ -460,8 +460,11 @@ def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
             before that CRD was installed).
     """
     key = (job.namespace, job.name)
+    # The job's RayCluster: its name and an owner reference to this job. One left by an earlier job of the same name
+    # (deleted and created again before the garbage collector removed it) carries the same label and name but is
+    # not this job's: it is never submitted to; EnsureChildren's create then says what holds the name.
     clusters = [c for c in _store_values(indexes.get("clusters_by_job"), key)
-                if (c.get("metadata") or {}).get("name") == api.raycluster_name(job.name)]
+                if (c.get("metadata") or {}).get("name") == api.raycluster_name(job.name) and owned_by(c, job.uid)]
     cluster = read_cluster(clusters[0] if clusters else None, control_port=rt.settings.control_port)
     st = job.status
     since = parse_time(st.attempt_start_time) if st.submission_id and st.phase in (
@@ -513,6 +516,53 @@ def _token(rt: Runtime, job: JobView) -> str | None:
     return token
 
 
+class ChildConflict(RuntimeError):
+    """A child's name (``<job>-config``, ``<job>-control``, ``<job>-ray``) is taken by an object this job does not
+    own; the operator neither changes nor uses it. The reconcile records the message in the ``Reconciling``
+    condition and tries again at the next one (the object may be deleted meanwhile)."""
+
+
+#: Kinds of child objects by API key, as messages name them.
+CHILD_KINDS = {kube.CONFIGMAPS: "ConfigMap", kube.SECRETS: "Secret", kube.NETWORKPOLICIES: "NetworkPolicy",
+               kube.PDBS: "PodDisruptionBudget", kube.RAYCLUSTERS: "RayCluster"}
+
+
+def owned_by(body: dict[str, Any] | None, uid: str) -> bool:
+    """Whether ``body`` has an owner reference to the object with ``uid`` (every child this operator creates has a
+    controller reference to its RLTrainingJob: :func:`resources.owner_reference`)."""
+    refs = ((body or {}).get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid for r in refs)
+
+
+def check_child_owned(owner: dict[str, Any], key: str, body: dict[str, Any], allow_unowned: bool = False) -> None:
+    """Refuse a child that a create was answered 409 for (read back as ``body``; ``key``: its API, e.g.
+    ``kube.CONFIGMAPS``) unless it is the job's own: an owner reference to the uid of ``owner`` (the job's
+    :func:`resources.owner_reference`). With ``allow_unowned`` an object without a controller reference is taken
+    too: the token Secret, which a user may replace by hand (docs/deploy.md). Objects made by this operator for
+    the job always carry the reference, so this costs nothing on the usual path: a 409 after an operator restart.
+
+    Raises:
+        ChildConflict: the object belongs to an earlier RLTrainingJob of the same name (deleted and created again
+            before Kubernetes' garbage collector removed its children: the message says the job waits), or to
+            someone else (the message names its owners and what to do).
+    """
+    if owned_by(body, owner["uid"]):
+        return
+    meta = body.get("metadata") or {}
+    refs = meta.get("ownerReferences") or []
+    if allow_unowned and not any(r.get("controller") for r in refs):
+        return
+    what = f"{CHILD_KINDS.get(key, key)} {meta.get('namespace')}/{meta.get('name')}"
+    job_name = owner["name"]
+    earlier = next((r for r in refs if r.get("kind") == api.KIND and r.get("name") == job_name), None)
+    if earlier is not None:
+        raise ChildConflict(f"{what} belongs to an earlier RLTrainingJob {job_name} (uid {earlier.get('uid')}) that "
+                            f"Kubernetes' garbage collector has not deleted yet; waiting for it to go")
+    owners = ", ".join(f"{r.get('kind')} {r.get('name')}" for r in refs) or "no owner reference"
+    raise ChildConflict(f"{what} exists and is not this job's ({owners}): the operator neither changes nor uses "
+                        f"another object; delete or rename it, or give the job another name")
+
+
 def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> None:
     """Create what is missing (ConfigMap, NetworkPolicy, PodDisruptionBudget per :func:`disruption_budget_once`,
     Secret, RayCluster, in that order: the RayCluster's pods need the ConfigMap and the Secret); bring the
@@ -524,8 +574,12 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
     resubmission of an attempt) none unless the ConfigMap data changed or the RayCluster was deleted.
     ``cluster_exists``: the kopf index shows the job's RayCluster.
 
+    A create answered 409 is read back and checked to be the job's own (:func:`check_child_owned`): an object of
+    that name that someone else owns is neither changed nor used.
+
     Raises:
         kube.KubeError: an API call failed (a create other than with 409 Conflict, or a get or patch).
+        ChildConflict: a child's name is taken by an object the job does not own.
         ValueError: the job's spec is invalid (nothing can be built).
     """
     k = rt.kube
@@ -540,6 +594,8 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
             if not e.conflict:
                 raise
             current = k.get(kube.CONFIGMAPS, job.namespace, cm["metadata"]["name"]) or {}
+            if current:
+                check_child_owned(resources.owner_reference(job), kube.CONFIGMAPS, current)
             if current.get("data") != cm["data"]:
                 k.patch(kube.CONFIGMAPS, job.namespace, cm["metadata"]["name"], {"data": cm["data"]})
         made.present.add(kube.CONFIGMAPS)
@@ -547,7 +603,7 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
     network_policy_once(rt, job)
     try:  # a safety net, not needed to train: a refusal (RBAC, a quota, a policy webhook) must not stop the job
         disruption_budget_once(rt, job)
-    except kube.KubeError as e:
+    except (kube.KubeError, ChildConflict) as e:
         log.warning(f"PodDisruptionBudget of {job.namespace}/{job.name}: {e}; will retry (a drain meanwhile evicts "
                     f"the job's pods without waiting for a checkpoint)")
     for key, build in ((kube.SECRETS, lambda: resources.build_secret(job)),
@@ -567,6 +623,9 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
         except kube.KubeError as e:
             if not e.conflict:
                 raise
+            current = k.get(key, job.namespace, body["metadata"]["name"])
+            if current is not None:  # else deleted since: created at the next reconcile
+                check_child_owned(resources.owner_reference(job), key, current, allow_unowned=key == kube.SECRETS)
             if key == kube.SECRETS:  # exists, perhaps replaced since this process cached a token: read it again
                 rt.tokens.pop(job.uid, None)
         if key == kube.RAYCLUSTERS:
@@ -587,7 +646,8 @@ def disruption_budget_once(rt: Runtime, job: JobView) -> None:
     """Make the job's PodDisruptionBudget (:func:`resources.build_disruption_budget`) exist when
     ``spec.resilience.checkpointOnDrain`` is true and not exist when it is false; one API call when that wish differs
     from what this process last made it (:attr:`Children.budget`), none otherwise, so it can run on every reconcile
-    and an edit of the field takes effect at once. An API server without policy/v1 (Kubernetes older than 1.21)
+    and an edit of the field takes effect at once (two after a 409: the budget found is read back and checked to be
+    the job's, :func:`check_child_owned`; a foreign one is reported once per process). An API server without policy/v1 (Kubernetes older than 1.21)
     answers the create 404: logged once per job and RayCluster, and the job runs without the budget (a drain then
     evicts its pods at once: an unplanned restart). ``DeleteCluster`` deletes the budget with the RayCluster (it holds
     no pod then) and forgets it here, as :meth:`Children.note_cluster` does when the RayCluster is seen gone. A
@@ -595,6 +655,8 @@ def disruption_budget_once(rt: Runtime, job: JobView) -> None:
 
     Raises:
         kube.KubeError: the create failed other than with 409 Conflict or 404, or the delete other than with 404.
+        ChildConflict: a budget of that name exists that the job does not own (:func:`check_child_owned`); it is
+            neither changed nor deleted.
         ValueError: the job's spec is invalid.
     """
     if job.spec is None:
@@ -605,7 +667,14 @@ def disruption_budget_once(rt: Runtime, job: JobView) -> None:
         return
     name = api.disruption_budget_name(job.name)
     if not want:
-        rt.kube.delete(kube.PDBS, job.namespace, name)
+        if made.budget is None:  # not made by this process: one GET (as many calls as the DELETE it replaces)
+            current = rt.kube.get(kube.PDBS, job.namespace, name)
+            if current is not None:
+                made.budget = want  # said once per process: ChildConflict is logged as a warning by the caller
+                check_child_owned(resources.owner_reference(job), kube.PDBS, current)
+                rt.kube.delete(kube.PDBS, job.namespace, name)
+        else:
+            rt.kube.delete(kube.PDBS, job.namespace, name)
     else:
         try:
             rt.kube.create(kube.PDBS, job.namespace, resources.build_disruption_budget(job))
@@ -615,6 +684,11 @@ def disruption_budget_once(rt: Runtime, job: JobView) -> None:
                             f"policy/v1 ({e}); a drain will evict the job's pods without waiting for a checkpoint")
             elif not e.conflict:
                 raise
+            else:
+                current = rt.kube.get(kube.PDBS, job.namespace, name)
+                if current is not None:
+                    made.budget = want  # said once per process: ChildConflict is logged as a warning by the caller
+                    check_child_owned(resources.owner_reference(job), kube.PDBS, current)
     made.budget = want
 
 
@@ -624,6 +698,7 @@ def ensure_network_policy(k: kube.KubeAPI, body: dict[str, Any]) -> None:
 
     Raises:
         kube.KubeError: an API call failed (the create other than with 409 Conflict, or the get or patch).
+        ChildConflict: a NetworkPolicy of that name exists that the job does not own (not patched).
     """
     meta = body["metadata"]
     try:
@@ -633,6 +708,8 @@ def ensure_network_policy(k: kube.KubeAPI, body: dict[str, Any]) -> None:
         if not e.conflict:
             raise
     current = k.get(kube.NETWORKPOLICIES, meta["namespace"], meta["name"]) or {}
+    if current:
+        check_child_owned(meta["ownerReferences"][0], kube.NETWORKPOLICIES, current)
     digest = meta["annotations"][api.SPEC_DIGEST_ANNOTATION]
     if ((current.get("metadata") or {}).get("annotations") or {}).get(api.SPEC_DIGEST_ANNOTATION) != digest:
         k.patch(kube.NETWORKPOLICIES, meta["namespace"], meta["name"],
@@ -862,12 +939,12 @@ def _reconcile_locked(rt: Runtime, namespace: str, name: str, body: dict[str, An
                 # settings now, not only when the next EnsureChildren runs (one 409 per job and operator start).
                 try:
                     network_policy_once(rt, job)
-                except kube.KubeError as e:
+                except (kube.KubeError, ChildConflict) as e:
                     logger.warning(f"NetworkPolicy of {namespace}/{name}: {e}; will retry")
                 if not observed.cluster.deleting:  # follows an edit of spec.resilience.checkpointOnDrain at once
                     try:
                         disruption_budget_once(rt, job)
-                    except kube.KubeError as e:
+                    except (kube.KubeError, ChildConflict) as e:
                         logger.warning(f"PodDisruptionBudget of {namespace}/{name}: {e}; will retry")
             error = None
             for action in last.actions:

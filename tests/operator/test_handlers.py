@@ -755,12 +755,19 @@ class BudgetAPI:
     """The PodDisruptionBudget calls of ``disruption_budget_once``, answered from a dict of names, or with the error
     ``fail`` (status, reason) while it is set; each call is recorded as ``(verb, name)``."""
 
-    def __init__(self, *, fail: tuple[int, str] | None = None, exists: bool = False):
+    def __init__(self, *, fail: tuple[int, str] | None = None, exists: dict | None = None):
         self.fail = fail
         self.objects: dict[str, dict] = {}
         self.calls: list[tuple[str, str]] = []
-        if exists:
-            self.objects[api.disruption_budget_name("local-tiny")] = {}
+        if exists is not None:
+            self.objects[exists["metadata"]["name"]] = exists
+
+    def get(self, key: str, namespace: str, name: str) -> dict | None:
+        from daedalus_operator import kube
+
+        assert key == kube.PDBS and namespace == "ml"
+        self.calls.append(("get", name))
+        return self.objects.get(name)
 
     def create(self, key: str, namespace: str, body: dict) -> dict:
         from daedalus_operator import kube
@@ -795,22 +802,52 @@ def _job_with(checkpoint_on_drain: bool):
 def test_the_disruption_budget_is_made_once_and_follows_the_field() -> None:
     from daedalus_operator.handlers import disruption_budget_once
 
+    from daedalus_operator import resources
+
     rt, name = _rt(), api.disruption_budget_name("local-tiny")
-    rt.kube = BudgetAPI(exists=True)  # an operator restart: the budget is there, one 409, then nothing
+    # an operator restart: the job's budget is there, one 409 and the read-back that finds it the job's, then nothing
+    rt.kube = BudgetAPI(exists=resources.build_disruption_budget(_job_with(True)))
     for _ in range(3):
         disruption_budget_once(rt, _job_with(True))
-    assert rt.kube.calls == [("create", name)]
+    assert rt.kube.calls == [("create", name), ("get", name)]
     disruption_budget_once(rt, _job_with(False))
     disruption_budget_once(rt, _job_with(False))
-    assert rt.kube.calls[1:] == [("delete", name)] and name not in rt.kube.objects
+    assert rt.kube.calls[2:] == [("delete", name)] and name not in rt.kube.objects
     disruption_budget_once(rt, _job_with(True))
-    assert rt.kube.calls[2:] == [("create", name)]
+    assert rt.kube.calls[3:] == [("create", name)]
     assert rt.kube.objects[name]["spec"]["minAvailable"] == 2
     # the RayCluster seen and then gone (suspended, deleted): forgotten, made again with the next one
     rt.children(_job_with(True).uid).note_cluster(True)
     rt.children(_job_with(True).uid).note_cluster(False)
     disruption_budget_once(rt, _job_with(True))
-    assert rt.kube.calls[3:] == [("create", name)]
+    assert rt.kube.calls[4:] == [("create", name), ("get", name)]  # still there here: 409, read back, the job's
+    # a new process with checkpointOnDrain off: one GET (as many calls as a blind DELETE), the job's budget deleted
+    rt = _rt()
+    rt.kube = BudgetAPI(exists=resources.build_disruption_budget(_job_with(True)))
+    disruption_budget_once(rt, _job_with(False))
+    disruption_budget_once(rt, _job_with(False))
+    assert rt.kube.calls == [("get", name), ("delete", name)] and not rt.kube.objects
+
+
+def test_a_budget_of_that_name_the_job_does_not_own_is_left_alone_and_said_once() -> None:
+    """Someone else's PodDisruptionBudget named ``<job>-ray``: neither taken as the job's nor deleted when
+    checkpointOnDrain is off; ChildConflict names its owner, once per process (the caller logs it as a warning)."""
+    from daedalus_operator import resources
+    from daedalus_operator.handlers import ChildConflict, disruption_budget_once
+
+    name = api.disruption_budget_name("local-tiny")
+    foreign = resources.build_disruption_budget(_job_with(True))
+    foreign["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "web",
+                                               "uid": "1111", "controller": True}]
+    for want in (True, False):
+        rt = _rt()
+        rt.kube = BudgetAPI(exists=foreign)
+        with pytest.raises(ChildConflict, match=r"PodDisruptionBudget ml/local-tiny-ray exists and is not this "
+                                                r"job's \(Deployment web\)"):
+            disruption_budget_once(rt, _job_with(want))
+        disruption_budget_once(rt, _job_with(want))  # said once
+        assert rt.kube.objects[name] is foreign
+        assert [verb for verb, _ in rt.kube.calls] == (["create", "get"] if want else ["get"])
 
 
 def test_a_server_without_policy_v1_is_told_once_and_a_refusal_is_retried(caplog) -> None:

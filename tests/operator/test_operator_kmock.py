@@ -611,3 +611,65 @@ def test_deleting_a_job_whose_phase_cannot_be_read_warns_and_is_not_held(env: Op
     warning = [e for e in env.events() if e.get("reason") == "NoCheckpointBeforeDeletion"]
     assert len(warning) == 1 and warning[0]["type"] == "Warning", warning
     assert "status.phase" in warning[0]["message"] and repr(phase) in warning[0]["message"], warning[0]["message"]
+
+
+def test_a_child_name_held_by_another_object_is_reported_and_the_object_left_alone(tmp_path: Path) -> None:
+    """The job's ConfigMap name is held by the ConfigMap of an earlier job of the same name (deleted and created
+    again before the garbage collector caught up), its RayCluster name by someone's RayCluster without an owner:
+    neither is changed or used (an object of another owner is never patched, nor submitted to). The job's
+    Reconciling condition says what holds the name; once each is gone, the job's own children are made."""
+    from daedalus_operator import resources
+    from daedalus_operator.handlers import job_view
+    from daedalus_operator.settings import OperatorSettings
+
+    e = OperatorEnv(tmp_path, None, poll=0.3)
+    e.start(operator=False, fake_kuberay=False)
+    try:
+        job = e.apply(e.job_manifest())
+        uid = job["metadata"]["uid"]
+        earlier = {"apiVersion": "daedalus.dev/v1alpha1", "kind": "RLTrainingJob", "name": "local-tiny",
+                   "uid": "0f1e2d3c-0000-0000-0000-000000000000", "controller": True, "blockOwnerDeletion": True}
+        e.kube.create("v1/configmaps", "ml", {"apiVersion": "v1", "kind": "ConfigMap", "data": {"old": "run"},
+                                              "metadata": {"name": "local-tiny-config", "namespace": "ml",
+                                                           "ownerReferences": [earlier]}})
+        theirs = resources.build_raycluster(job_view(job), OperatorSettings(control_port=e.control_port))
+        del theirs["metadata"]["ownerReferences"], theirs["metadata"]["labels"]
+        e.kube.create("ray.io/v1/rayclusters", "ml", theirs)
+        e.start_operator()
+
+        def reconciling(fragment: str) -> dict | None:
+            conds = {c["type"]: c for c in e.status().get("conditions") or []}
+            c = conds.get("Reconciling")
+            return c if c and fragment in c["message"] else None
+
+        cond = wait_for(lambda: reconciling("ConfigMap ml/local-tiny-config"), timeout=30,
+                        message="the condition naming the earlier job's ConfigMap")
+        assert cond["status"] == "True" and cond["reason"] == "APIError"
+        assert cond["message"] == (
+            "EnsureChildren: ConfigMap ml/local-tiny-config belongs to an earlier RLTrainingJob local-tiny (uid "
+            "0f1e2d3c-0000-0000-0000-000000000000) that Kubernetes' garbage collector has not deleted yet; waiting "
+            "for it to go")
+        time.sleep(1.0)  # a few more reconciles at poll 0.3 s
+        assert e.kube.get("v1/configmaps", "ml", "local-tiny-config")["data"] == {"old": "run"}
+        e.kube.delete("v1/configmaps", "ml", "local-tiny-config")  # the garbage collector's part
+
+        cond = wait_for(lambda: reconciling("RayCluster ml/local-tiny-ray"), timeout=30,
+                        message="the condition naming the foreign RayCluster")
+        assert cond["message"] == (
+            "EnsureChildren: RayCluster ml/local-tiny-ray exists and is not this job's (no owner reference): the "
+            "operator neither changes nor uses another object; delete or rename it, or give the job another name")
+        config = e.kube.get("v1/configmaps", "ml", "local-tiny-config")
+        assert [r["uid"] for r in config["metadata"]["ownerReferences"]] == [uid]  # the job's own now
+        time.sleep(1.0)
+        still = e.kube.get("ray.io/v1/rayclusters", "ml", "local-tiny-ray")
+        assert "ownerReferences" not in still["metadata"] and "labels" not in still["metadata"]
+        assert e.status().get("submissionId") is None
+        e.kube.delete("ray.io/v1/rayclusters", "ml", "local-tiny-ray")
+
+        made = wait_for(lambda: (lambda c: c if all(c.values()) else None)(children(e)), timeout=30,
+                        message="the job's own children")
+        assert all([r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uid] for obj in made.values())
+        wait_for(lambda: None if reconciling("EnsureChildren") else True, timeout=30,
+                 message="the condition to move on from the conflict")
+    finally:
+        e.stop()
