@@ -78,6 +78,11 @@ RLTJ = (api.GROUP, api.VERSION, api.PLURAL)
 MAX_LOOPS = 5  # immediate re-plans within one reconcile (requeue_after == 0)
 
 
+#: Seconds before a PodDisruptionBudget name found held by an object the job does not own is looked at again
+#: (:func:`disruption_budget_once`): the budget is a safety net, so the job runs meanwhile, and the warning is not
+#: repeated on every reconcile.
+BUDGET_CONFLICT_RETRY_SECONDS = 60.0
+
 #: Seconds a RayCluster this process created may be missing from the kopf index (the watch event not arrived yet)
 #: before ``EnsureChildren`` creates it again (KubeRay's habit: an expectation of what was created, so a lagging cache
 #: does not cause a second create).
@@ -93,7 +98,8 @@ class Children:
     SHA-256 of the ConfigMap data last written or confirmed; ``cluster_created``: ``time.monotonic()`` of this process's RayCluster
     create (``None`` when none is pending); ``cluster_seen``: the RayCluster has appeared in the kopf index since;
     ``budget``: the PodDisruptionBudget was made to exist (True) or not to (False) for ``checkpointOnDrain``
-    (``None``: not yet looked at by this process).
+    (``None``: not yet looked at by this process, or its name is held by an object the job does not own);
+    ``budget_conflict``: ``time.monotonic()`` when that name was last found so held.
     A RayCluster that was seen and is gone from the index again was deleted (suspend, a terminal phase, by hand):
     the whole record is dropped and every child is ensured again. Lost on an operator restart (then the creates are
     answered 409 once, as before).
@@ -104,6 +110,7 @@ class Children:
     cluster_created: float | None = None
     cluster_seen: bool = False
     budget: bool | None = None
+    budget_conflict: float | None = None
 
     def note_cluster(self, exists: bool) -> None:
         """Account for the RayCluster as the kopf index shows it now."""
@@ -539,7 +546,8 @@ def check_child_owned(owner: dict[str, Any], key: str, body: dict[str, Any], all
     ``kube.CONFIGMAPS``) unless it is the job's own: an owner reference to the uid of ``owner`` (the job's
     :func:`resources.owner_reference`). With ``allow_unowned`` an object without a controller reference is taken
     too: the token Secret, which a user may replace by hand (docs/deploy.md). Objects made by this operator for
-    the job always carry the reference, so this costs nothing on the usual path: a 409 after an operator restart.
+    the job always carry the reference, so the usual 409 (after an operator restart) passes; the caller's GET that
+    read ``body`` is the one API call this adds.
 
     Raises:
         ChildConflict: the object belongs to an earlier RLTrainingJob of the same name (deleted and created again
@@ -644,19 +652,22 @@ def network_policy_once(rt: Runtime, job: JobView) -> None:
 
 def disruption_budget_once(rt: Runtime, job: JobView) -> None:
     """Make the job's PodDisruptionBudget (:func:`resources.build_disruption_budget`) exist when
-    ``spec.resilience.checkpointOnDrain`` is true and not exist when it is false; one API call when that wish differs
-    from what this process last made it (:attr:`Children.budget`), none otherwise, so it can run on every reconcile
-    and an edit of the field takes effect at once (two after a 409: the budget found is read back and checked to be
-    the job's, :func:`check_child_owned`; a foreign one is reported once per process). An API server without policy/v1 (Kubernetes older than 1.21)
-    answers the create 404: logged once per job and RayCluster, and the job runs without the budget (a drain then
-    evicts its pods at once: an unplanned restart). ``DeleteCluster`` deletes the budget with the RayCluster (it holds
-    no pod then) and forgets it here, as :meth:`Children.note_cluster` does when the RayCluster is seen gone. A
-    budget deleted by hand while its RayCluster lives comes back with the next RayCluster or operator start.
+    ``spec.resilience.checkpointOnDrain`` is true and not exist when it is false, when that wish differs from what
+    this process last made it (:attr:`Children.budget`); no call otherwise, so it can run on every reconcile and an
+    edit of the field takes effect at once. The calls: a create (and after a 409 a GET: the budget found is checked
+    to be the job's, :func:`check_child_owned`), or a delete (a GET first when this process has not made it, and a
+    delete only of the job's own). A name held by an object the job does not own raises :class:`ChildConflict` and
+    is looked at again after :data:`BUDGET_CONFLICT_RETRY_SECONDS`, not on every reconcile. An API server without
+    policy/v1 (Kubernetes older than 1.21) answers the create 404: logged once per job and RayCluster, and the job
+    runs without the budget (a drain then evicts its pods at once: an unplanned restart). ``DeleteCluster`` deletes
+    the budget with the RayCluster (it holds no pod then) and forgets it here, as :meth:`Children.note_cluster` does
+    when the RayCluster is seen gone. A budget deleted by hand while its RayCluster lives comes back with the next
+    RayCluster or operator start.
 
     Raises:
-        kube.KubeError: the create failed other than with 409 Conflict or 404, or the delete other than with 404.
-        ChildConflict: a budget of that name exists that the job does not own (:func:`check_child_owned`); it is
-            neither changed nor deleted.
+        kube.KubeError: the create failed other than with 409 Conflict or 404, the GET failed, or the delete other
+            than with 404.
+        ChildConflict: a budget of that name exists that the job does not own; it is neither changed nor deleted.
         ValueError: the job's spec is invalid.
     """
     if job.spec is None:
@@ -665,31 +676,39 @@ def disruption_budget_once(rt: Runtime, job: JobView) -> None:
     want = job.spec.resilience.checkpoint_on_drain
     if made.budget == want:
         return
+    now = time.monotonic()
+    if made.budget_conflict is not None and now - made.budget_conflict < BUDGET_CONFLICT_RETRY_SECONDS:
+        return  # a budget of that name the job does not own: looked at again after a while, not on every reconcile
     name = api.disruption_budget_name(job.name)
-    if not want:
-        if made.budget is None:  # not made by this process: one GET (as many calls as the DELETE it replaces)
-            current = rt.kube.get(kube.PDBS, job.namespace, name)
-            if current is not None:
-                made.budget = want  # said once per process: ChildConflict is logged as a warning by the caller
-                check_child_owned(resources.owner_reference(job), kube.PDBS, current)
-                rt.kube.delete(kube.PDBS, job.namespace, name)
-        else:
-            rt.kube.delete(kube.PDBS, job.namespace, name)
-    else:
-        try:
-            rt.kube.create(kube.PDBS, job.namespace, resources.build_disruption_budget(job))
-        except kube.KubeError as e:
-            if e.not_found:
-                log.warning(f"PodDisruptionBudget {job.namespace}/{name} not created: this API server does not serve "
-                            f"policy/v1 ({e}); a drain will evict the job's pods without waiting for a checkpoint")
-            elif not e.conflict:
-                raise
-            else:
+    owner = resources.owner_reference(job)
+    try:
+        if not want:
+            if made.budget is None:  # not made by this process: one GET (as many calls as the DELETE it replaces)
                 current = rt.kube.get(kube.PDBS, job.namespace, name)
                 if current is not None:
-                    made.budget = want  # said once per process: ChildConflict is logged as a warning by the caller
-                    check_child_owned(resources.owner_reference(job), kube.PDBS, current)
+                    check_child_owned(owner, kube.PDBS, current)
+                    rt.kube.delete(kube.PDBS, job.namespace, name)
+            else:
+                rt.kube.delete(kube.PDBS, job.namespace, name)
+        else:
+            try:
+                rt.kube.create(kube.PDBS, job.namespace, resources.build_disruption_budget(job))
+            except kube.KubeError as e:
+                if e.not_found:
+                    log.warning(f"PodDisruptionBudget {job.namespace}/{name} not created: this API server does not "
+                                f"serve policy/v1 ({e}); a drain will evict the job's pods without waiting for a "
+                                f"checkpoint")
+                elif not e.conflict:
+                    raise
+                else:
+                    current = rt.kube.get(kube.PDBS, job.namespace, name)
+                    if current is not None:  # else deleted since: made.budget is True, made again with the next cluster
+                        check_child_owned(owner, kube.PDBS, current)
+    except ChildConflict:
+        made.budget_conflict = now
+        raise
     made.budget = want
+    made.budget_conflict = None
 
 
 def ensure_network_policy(k: kube.KubeAPI, body: dict[str, Any]) -> None:
@@ -738,8 +757,10 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
         made.present.discard(kube.RAYCLUSTERS)
         made.cluster_created = None
         # the budget holds no pod without the cluster (suspended, ended, recreated): gone with it, made again by the
-        # EnsureChildren of the next cluster
-        k.delete(kube.PDBS, job.namespace, api.disruption_budget_name(job.name))
+        # EnsureChildren of the next cluster. Only one this process made or found to be the job's is deleted
+        # (another process's stays, harmless without pods, until that EnsureChildren reads it back, or the job goes).
+        if made.budget:
+            k.delete(kube.PDBS, job.namespace, api.disruption_budget_name(job.name))
         made.budget = None
     elif isinstance(action, Submit):
         if not c.dashboard_url:
@@ -1240,7 +1261,8 @@ def deletion_checkpoint_bound(checkpoint_timeout: float, deletion_timeout: float
 
 
 def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
-    """Checkpoint a running trainer (:func:`checkpoint_before_deletion`), stop the Ray job, delete every child; give
+    """Checkpoint a running trainer (:func:`checkpoint_before_deletion`), stop the Ray job, delete every child (an
+    object holding a child's name that the job does not own, :func:`check_child_owned`, is left alone); give
     up (and let kopf release the finalizer) after ``deletion_timeout`` seconds from ``deletionTimestamp``. The job's
     records in this process are dropped: its token, poll gate, children and the Ray client of its RayCluster's
     dashboard on every pass, its checkpoint calls (of every attempt; one in flight when it ends), unreadable-status
@@ -1275,6 +1297,10 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
         cluster_error = f"get raycluster/{api.raycluster_name(name)}: {e}"
         problems.append(cluster_error)
         cluster_body = None  # unknown: no Ray job stop; the deletes below are still tried
+    job_uid = meta.get("uid", "")
+    foreign_cluster = cluster_body is not None and not owned_by(cluster_body, job_uid)
+    if foreign_cluster:  # the name is held by another object (handlers.ChildConflict): neither asked nor deleted
+        cluster_body = None
     cluster = read_cluster(cluster_body, control_port=rt.settings.control_port)
     with rt.guard:
         decided = uid in rt.deletion_checkpoints
@@ -1305,11 +1331,24 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
     if cluster.dashboard_url:  # this job's Ray client (its RayCluster goes now; a retry of this handler makes another)
         with rt.guard:
             rt.ray.pop(cluster.dashboard_url, None)
+    owner = {"kind": api.KIND, "name": name, "uid": job_uid}
     for key, child in ((kube.RAYSERVICES, api.rayservice_name(name)), (kube.RAYCLUSTERS, api.raycluster_name(name)),
                        (kube.NETWORKPOLICIES, api.network_policy_name(name)),
                        (kube.PDBS, api.disruption_budget_name(name)),
                        (kube.CONFIGMAPS, api.config_map_name(name)), (kube.SECRETS, api.secret_name(name))):
         try:
+            if key == kube.RAYCLUSTERS and foreign_cluster:
+                continue
+            if key in (kube.NETWORKPOLICIES, kube.PDBS, kube.CONFIGMAPS, kube.SECRETS):
+                # read first: only the job's own is deleted (the RayService is found by the index, by label)
+                current = rt.kube.get(key, namespace, child)
+                if current is None:
+                    continue
+                try:
+                    check_child_owned(owner, key, current, allow_unowned=key == kube.SECRETS)
+                except ChildConflict as e:
+                    logger.info(f"not deleted: {e}")
+                    continue
             rt.kube.delete(key, namespace, child)
         except kube.KubeError as e:
             problems.append(f"delete {key.split('/')[-1]}/{child}: {e}")

@@ -54,7 +54,7 @@ NAMESPACED_RULES = {
     ("", "pods"): {"list", "watch", "delete"},
     ("", "events"): {"create"},
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
-    ("policy", "poddisruptionbudgets"): {"create", "delete"},
+    ("policy", "poddisruptionbudgets"): {"get", "create", "delete"},
 }
 CLUSTER_RULES = {
     ("", "nodes"): {"list", "watch"},

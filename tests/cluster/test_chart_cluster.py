@@ -65,6 +65,8 @@ OPERATOR_CALLS = [
     ("get", "", "configmaps", ""),
     ("patch", "", "configmaps", ""),
     ("get", "", "secrets", ""),
+    # handlers.disruption_budget_once, handlers.finalize: an existing budget is read back to check it is the job's.
+    ("get", "policy", "poddisruptionbudgets", ""),
     # handlers.ensure_network_policy: an existing policy's digest is read and, when outdated, patched.
     ("get", "networking.k8s.io", "networkpolicies", ""),
     ("patch", "networking.k8s.io", "networkpolicies", ""),
@@ -90,8 +92,8 @@ NOT_GRANTED = [
     ("patch", "", "secrets", ""),
     *[(verb, "", "services", "") for verb in ("get", "list", "watch", "create", "patch", "delete")],
     ("list", "networking.k8s.io", "networkpolicies", ""),
-    # The PodDisruptionBudget is only created and deleted; recovery deletes pods, it never evicts them.
-    *[(verb, "policy", "poddisruptionbudgets", "") for verb in ("get", "list", "patch")],
+    # The PodDisruptionBudget is only created, read by name and deleted; recovery deletes pods, it never evicts them.
+    *[(verb, "policy", "poddisruptionbudgets", "") for verb in ("list", "patch")],
     ("create", "", "pods", "eviction"),
     # Nothing PUTs (kopf and the operator's client write with PATCH), reads a /status subresource, patches a Ray
     # object, GETs a pod, node or RayService, patches an Event or uses events.k8s.io.

@@ -700,7 +700,8 @@ def test_finalizing_a_job_drops_its_ray_client_and_unreadable_status_record() ->
     from daedalus_operator.handlers import finalize
 
     uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
-    cluster = {"metadata": {"name": "local-tiny-ray", "namespace": "ml", "deletionTimestamp": "2026-01-01T00:00:01Z"},
+    cluster = {"metadata": {"name": "local-tiny-ray", "namespace": "ml", "deletionTimestamp": "2026-01-01T00:00:01Z",
+                            "ownerReferences": [{"kind": "RLTrainingJob", "name": "local-tiny", "uid": uid}]},
                "status": {"state": "ready", "head": {"serviceIP": "10.0.0.5"}}}
     rt = Runtime(settings=OperatorSettings(request_timeout=1.0), metrics=OperatorMetrics())
     rt.kube = NoChildren(cluster)
@@ -710,6 +711,40 @@ def test_finalizing_a_job_drops_its_ray_client_and_unreadable_status_record() ->
     finalize(rt, _deleted_body("Succeeded"), logging.getLogger("test"))
     assert list(rt.ray) == ["http://10.0.0.6:8265"] and rt.ray["http://10.0.0.6:8265"] is other
     assert rt.unreadable == {"uid-other": "7"}
+
+
+def test_the_finalizer_deletes_the_jobs_children_and_leaves_objects_it_does_not_own() -> None:
+    """Each child's name read back before its delete: the job's own NetworkPolicy and its Secret (one without a
+    controller owner counts: a token replaced by hand) are deleted; a RayCluster and a ConfigMap of someone else and
+    the budget of an earlier job of the same name are not (no Ray call to the foreign head either). The RayService,
+    found by label in the kopf index, is deleted by name as before."""
+    from daedalus_operator.handlers import finalize
+
+    uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+    mine = [{"kind": "RLTrainingJob", "name": "local-tiny", "uid": uid, "controller": True}]
+    theirs = [{"kind": "Deployment", "name": "web", "uid": "1111", "controller": True}]
+    earlier = [{"kind": "RLTrainingJob", "name": "local-tiny", "uid": "2222", "controller": True}]
+    objects = {
+        ("rayclusters", "local-tiny-ray"): {"metadata": {"name": "local-tiny-ray", "namespace": "ml",
+                                                         "ownerReferences": theirs},
+                                            "status": {"state": "ready", "head": {"serviceIP": "10.0.0.5"}}},
+        ("configmaps", api.config_map_name("local-tiny")): {"metadata": {"ownerReferences": theirs}},
+        ("secrets", api.secret_name("local-tiny")): {"metadata": {}},
+        ("networkpolicies", api.network_policy_name("local-tiny")): {"metadata": {"ownerReferences": mine}},
+        ("poddisruptionbudgets", api.disruption_budget_name("local-tiny")): {"metadata": {"ownerReferences": earlier}},
+    }
+
+    class Held(NoChildren):
+        def get(self, key: str, namespace: str, name: str) -> dict | None:
+            return objects.get((key.split("/")[-1], name))
+
+    rt = Runtime(settings=OperatorSettings(request_timeout=1.0), metrics=OperatorMetrics())
+    rt.kube = Held()
+    finalize(rt, _deleted_body("Succeeded"), logging.getLogger("test"))
+    assert sorted(rt.kube.deleted) == sorted([("rayservices", api.rayservice_name("local-tiny")),
+                                              ("networkpolicies", api.network_policy_name("local-tiny")),
+                                              ("secrets", api.secret_name("local-tiny"))])
+    assert "http://10.0.0.5:8265" not in rt.ray  # no client was made for the foreign head
 
 
 def test_missing_workers_are_counted_against_the_raycluster_not_an_edited_spec() -> None:
@@ -748,6 +783,12 @@ def test_missing_workers_are_counted_against_the_raycluster_not_an_edited_spec()
     observed = gather(_rt(), job, indexes)
     assert observed.health.first_issue() == (Reason.WORKER_LOST, None,
                                              "worker pod (missing): fewer worker pods than the spec asks for")
+    # the same RayCluster left by an earlier job of this name (same label, same name, another owner uid) is not
+    # this job's: no cluster, so nothing is asked of its head and EnsureChildren's create names what holds the name
+    assert observed.cluster.exists
+    built["metadata"]["ownerReferences"][0]["uid"] = "2222"
+    observed = gather(_rt(), job, indexes)
+    assert not observed.cluster.exists and observed.cluster.dashboard_url is None
 
 
 # ------------------------------------------------------------------------------------------------ PodDisruptionBudget
@@ -833,7 +874,7 @@ def test_a_budget_of_that_name_the_job_does_not_own_is_left_alone_and_said_once(
     """Someone else's PodDisruptionBudget named ``<job>-ray``: neither taken as the job's nor deleted when
     checkpointOnDrain is off; ChildConflict names its owner, once per process (the caller logs it as a warning)."""
     from daedalus_operator import resources
-    from daedalus_operator.handlers import ChildConflict, disruption_budget_once
+    from daedalus_operator.handlers import BUDGET_CONFLICT_RETRY_SECONDS, ChildConflict, disruption_budget_once
 
     name = api.disruption_budget_name("local-tiny")
     foreign = resources.build_disruption_budget(_job_with(True))
@@ -845,9 +886,20 @@ def test_a_budget_of_that_name_the_job_does_not_own_is_left_alone_and_said_once(
         with pytest.raises(ChildConflict, match=r"PodDisruptionBudget ml/local-tiny-ray exists and is not this "
                                                 r"job's \(Deployment web\)"):
             disruption_budget_once(rt, _job_with(want))
-        disruption_budget_once(rt, _job_with(want))  # said once
+        disruption_budget_once(rt, _job_with(want))  # not looked at again on every reconcile
         assert rt.kube.objects[name] is foreign
         assert [verb for verb, _ in rt.kube.calls] == (["create", "get"] if want else ["get"])
+        # its owner deletes it; a minute later (BUDGET_CONFLICT_RETRY_SECONDS) the job's wish is carried out
+        del rt.kube.objects[name]
+        made = rt.children(_job_with(want).uid)
+        assert made.budget is None and made.budget_conflict is not None
+        made.budget_conflict -= BUDGET_CONFLICT_RETRY_SECONDS + 1
+        disruption_budget_once(rt, _job_with(want))
+        assert made.budget is want and made.budget_conflict is None
+        assert (name in rt.kube.objects) is want
+        if want:
+            # the budget made is the job's own
+            assert rt.kube.objects[name]["metadata"]["ownerReferences"][0]["uid"] == _job_with(want).uid
 
 
 def test_a_server_without_policy_v1_is_told_once_and_a_refusal_is_retried(caplog) -> None:

@@ -127,10 +127,11 @@ cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync 
   resources: ["networkpolicies"]
   verbs: ["get", "create", "patch", "delete"]
 # PodDisruptionBudget holding a drain's evictions of the training pods until the operator has checkpointed
-# (spec.resilience.checkpointOnDrain; created, deleted when the field turns false and by the finalizer).
+# (spec.resilience.checkpointOnDrain; created, read back by name to check it is the job's before it is taken as
+# such or deleted, deleted when the field turns false and by the finalizer).
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["create", "delete"]
+  verbs: ["get", "create", "delete"]
 {{- end }}
 
 {{/* Cluster-scoped resources: needed in both modes. */}}
