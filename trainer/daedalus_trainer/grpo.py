@@ -511,8 +511,8 @@ class Trainer:
         the end of the step it reaches; when that step's held-out evaluation (``algorithm.evalIntervalSteps``) is
         due, before the evaluation, so the caller does not wait for it; a stop then skips it, and the run resuming
         from that checkpoint evaluates first, so the metric history equals an uninterrupted run's (:meth:`_train`).
-        A stop already requested when a resumed run is about to start its actors is answered by the checkpoint
-        resumed from, and the run returns stopped without starting any (:meth:`_stopped_before_start`).
+        A stop already requested when a resumed run with steps left is about to start its actors is answered by the
+        checkpoint resumed from, and the run returns stopped without starting any (:meth:`_stopped_before_start`).
 
         Raises:
             daedalus_trainer.checkpoint.CheckpointCorruptError: the checkpoint to resume from fails verification
@@ -567,7 +567,7 @@ class Trainer:
         manager.abandon_other_timelines(loaded)  # only once nothing can refuse the run any more
         if self.nothing_to_train(loaded):
             return self._finished_already(loaded, started)
-        if loaded is not None and self.control.stop_requested():
+        if loaded is not None and loaded.step < self.job.spec.algorithm.steps and self.control.stop_requested():
             return self._stopped_before_start(loaded, started)
         learner, workers = self._actors()
         try:
@@ -602,9 +602,11 @@ class Trainer:
                            time.perf_counter() - started)
 
     def _stopped_before_start(self, loaded: LoadedCheckpoint, started: float) -> TrainResult:
-        """:meth:`train` of a resumed run whose stop (``POST /stop``: a node replacement, a suspend) came in before
-        its actors started: the checkpoint resumed from answers the stop and any checkpoint request (the state to
-        save is that one), and the run returns stopped without starting an actor. Starting them first would keep
+        """:meth:`train` of a resumed run with steps left whose stop (``POST /stop``: a node replacement, a suspend)
+        came in before its actors started: the checkpoint resumed from answers the stop and any checkpoint request
+        (the state to save is that one), and the run returns stopped without starting an actor. (A resume at the last
+        step with a final evaluation to run goes through the step loop as before: a stop there abandons the
+        evaluation, and the run still exports its adapter and finishes.) Starting them first would keep
         the caller waiting while every actor imports torch and loads the model (13-16 s on CPU here, minutes for a
         GPU model), only to stop at the first step boundary with the same answer. A due evaluation left pending by
         that checkpoint stays pending: the next resume runs it."""
