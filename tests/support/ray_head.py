@@ -31,11 +31,12 @@ from pathlib import Path
 
 
 #: Where a Ray head's own ports are picked: below Linux's ephemeral range (``ip_local_port_range``, 32768-60999 by
-#: default) and above Ray's worker ports (10002-19999 by default; 30000-30999 for these heads). A port picked free
+#: default) and above Ray's worker ports (10002-19999 by default; for these heads 100 ports from 30000-30990, so
+#: up to 31089: Ray refuses a head port inside its own worker range). A port picked free
 #: in the ephemeral range can be handed out again before the head binds it: the head's own gRPC servers, the other
 #: test worker's Ray and every outgoing connection take ephemeral ports during the seconds ``ray start`` takes. Once
 #: the dashboard's port went to a gRPC server that way, and the readiness poll read HTTP/2 bytes (BadStatusLine).
-HEAD_PORTS = (31000, 32767)
+HEAD_PORTS = (31100, 32767)
 
 
 def distinct_free_ports(n: int, lo: int = HEAD_PORTS[0], hi: int = HEAD_PORTS[1]) -> list[int]:
