@@ -478,8 +478,8 @@ def test_a_field_left_empty_is_named_with_the_value_used_in_its_place(tmp_path, 
     doc = tiny_job_dict()
     doc["spec"]["model"]["name"] = None
     doc["spec"]["checkpoint"] = None
-    doc["spec"]["cluster"] = {"head": {"nodeSelector": {"zone": None}}, "workerGroups": [{"name": "gpu",
-                                                                                            "replicas": None}]}
+    doc["spec"]["cluster"] = {"head": {"nodeSelector": {"topology.kubernetes.io/zone": None}},
+                              "workerGroups": [{"name": "gpu", "replicas": None}]}
     path = _write(tmp_path, yaml.safe_dump(doc))
     assert cli.main(["validate", str(path)]) == 0
     out = capsys.readouterr().out
@@ -489,7 +489,8 @@ def test_a_field_left_empty_is_named_with_the_value_used_in_its_place(tmp_path, 
     assert lines[1:] == [  # in the file's order (safe_dump sorts the keys)
         f"! spec.checkpoint: empty (null), so read as left out, as the API server reads it: the default "
         f"{default_checkpoint} applies",
-        "! spec.cluster.head.nodeSelector.zone: empty (null), so dropped, as the API server drops it",
+        '! spec.cluster.head.nodeSelector."topology.kubernetes.io/zone": empty (null), so dropped, as the API '
+        'server drops it',
         "! spec.cluster.workerGroups[0].replicas: empty (null), so read as left out, as the API server reads it: the "
         "default 1 applies",
         '! spec.model.name: empty (null), so read as left out, as the API server reads it: the default '

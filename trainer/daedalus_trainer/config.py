@@ -1333,24 +1333,37 @@ def dropped_null_notes(doc: Any, job: RLTrainingJob) -> list[str]:
         return []
     from daedalus_trainer.crd import prune_nulls
 
-    dropped: list[str] = []
+    dropped: list[tuple[str | int, ...]] = []
     prune_nulls({"spec": doc["spec"]}, dropped=dropped)
     values = job.model_dump(by_alias=True, mode="json")
     notes = []
-    for path in dropped:
+    for parts in dropped:
         value: Any = values
-        for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
-            if isinstance(value, list) and part.startswith("["):
-                i = int(part[1:-1])
-                value = value[i] if i < len(value) else None
+        for part in parts:
+            if isinstance(part, int):
+                value = value[part] if isinstance(value, list) and part < len(value) else None
             else:
                 value = value.get(part) if isinstance(value, dict) else None
+        path = _dotted(parts)
         if value is None:
             notes.append(f"{path}: empty (null), so dropped, as the API server drops it")
         else:
             notes.append(f"{path}: empty (null), so read as left out, as the API server reads it: the default "
                          f"{json.dumps(value)} applies")
     return notes
+
+
+def _dotted(parts: tuple[str | int, ...]) -> str:
+    """A field path as the errors write it: ``spec.cluster.workerGroups[0].replicas``; a key that holds a dot (a
+    label such as ``topology.kubernetes.io/zone``) in quotes."""
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            text = f'"{part}"' if "." in part else part
+            out += f".{text}" if out else text
+    return out
 
 
 def load_job(path: str | Path) -> RLTrainingJob:

@@ -269,8 +269,8 @@ def _schema_for_reading() -> dict[str, Any]:
     return openapi_schema()
 
 
-def prune_nulls(obj: Any, schema: dict[str, Any] | None = None, dropped: list[str] | None = None,
-                _path: str = "") -> Any:
+def prune_nulls(obj: Any, schema: dict[str, Any] | None = None, dropped: list[tuple[str | int, ...]] | None = None,
+                _path: tuple[str | int, ...] = ()) -> Any:
     """``obj`` without the nulls the API server drops before it validates a custom resource: every object property
     (or ``additionalProperties`` entry) that is ``null`` where its schema is not ``nullable: true``. A dropped field is
     then defaulted, or reported as required, exactly as if it had been left out, both by the API server and by
@@ -285,8 +285,8 @@ def prune_nulls(obj: Any, schema: dict[str, Any] | None = None, dropped: list[st
     dicts and lists along the schema; ``obj`` is not modified (values the schema does not describe are shared with
     it, not copied). Never raises: a value of the wrong type is left for validation to report.
 
-    ``dropped``: when given, the dotted path of each dropped field is appended to it (``spec.model.name``; list
-    items as ``[i]``), for a warning that names what was read as left out.
+    ``dropped``: when given, the path of each dropped field is appended to it as a tuple of keys and list indexes
+    (``("spec", "model", "name")``), for a warning that names what was read as left out.
     """
     if schema is None:
         schema = _schema_for_reading()
@@ -300,10 +300,10 @@ def prune_nulls(obj: Any, schema: dict[str, Any] | None = None, dropped: list[st
                 out[key] = value
             elif value is None and not sub.get("nullable", False):
                 if dropped is not None:
-                    dropped.append(f"{_path}.{key}" if _path else str(key))
+                    dropped.append((*_path, key))
             else:
-                out[key] = prune_nulls(value, sub, dropped, f"{_path}.{key}" if _path else str(key))
+                out[key] = prune_nulls(value, sub, dropped, (*_path, key))
         return out
     if isinstance(obj, list) and isinstance(schema.get("items"), dict):
-        return [prune_nulls(item, schema["items"], dropped, f"{_path}[{i}]") for i, item in enumerate(obj)]
+        return [prune_nulls(item, schema["items"], dropped, (*_path, i)) for i, item in enumerate(obj)]
     return obj

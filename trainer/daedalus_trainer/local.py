@@ -219,8 +219,8 @@ def run_local(job_path: str, runs_dir: str = "runs", resume: str = "latest", por
     from daedalus_trainer.config import load_job
 
     started = time.perf_counter()
-    job = load_job(job_path)  # a typo in the YAML is reported before seconds of imports
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    job = load_job(job_path)  # a typo in the YAML is reported before seconds of imports
     quiet_single_threaded_torch(warnings=False)  # per-save "Writing model shards" bars would drown the real ones
     console, errors = Console(), Console(stderr=True, soft_wrap=True, highlight=False)
     run_dir = Path(runs_dir) / job.metadata.name
