@@ -656,8 +656,9 @@ def disruption_budget_once(rt: Runtime, job: JobView) -> None:
     this process last made it (:attr:`Children.budget`); no call otherwise, so it can run on every reconcile and an
     edit of the field takes effect at once. The calls: a create (and after a 409 a GET: the budget found is checked
     to be the job's, :func:`check_child_owned`), or a delete (a GET first when this process has not made it, and a
-    delete only of the job's own). A name held by an object the job does not own raises :class:`ChildConflict` and
-    is looked at again after :data:`BUDGET_CONFLICT_RETRY_SECONDS`, not on every reconcile. An API server without
+    delete only of the job's own; another's is left alone and logged once). A name held by an object the job does
+    not own while the job wants a budget raises :class:`ChildConflict`, and is looked at again after
+    :data:`BUDGET_CONFLICT_RETRY_SECONDS`, not on every reconcile. An API server without
     policy/v1 (Kubernetes older than 1.21) answers the create 404: logged once per job and RayCluster, and the job
     runs without the budget (a drain then evicts its pods at once: an unplanned restart). ``DeleteCluster`` deletes
     the budget with the RayCluster (it holds no pod then) and forgets it here, as :meth:`Children.note_cluster` does
@@ -667,7 +668,8 @@ def disruption_budget_once(rt: Runtime, job: JobView) -> None:
     Raises:
         kube.KubeError: the create failed other than with 409 Conflict or 404, the GET failed, or the delete other
             than with 404.
-        ChildConflict: a budget of that name exists that the job does not own; it is neither changed nor deleted.
+        ChildConflict: the job wants a budget and one of that name exists that the job does not own; it is
+            neither changed nor deleted.
         ValueError: the job's spec is invalid.
     """
     if job.spec is None:
@@ -685,9 +687,10 @@ def disruption_budget_once(rt: Runtime, job: JobView) -> None:
         if not want:
             if made.budget is None:  # not made by this process: one GET (as many calls as the DELETE it replaces)
                 current = rt.kube.get(kube.PDBS, job.namespace, name)
-                if current is not None:
-                    check_child_owned(owner, kube.PDBS, current)
+                if current is not None and owned_by(current, job.uid):
                     rt.kube.delete(kube.PDBS, job.namespace, name)
+                elif current is not None:  # not the job's, and the job wants none: nothing to do but say so once
+                    log.info(f"PodDisruptionBudget {job.namespace}/{name} is not the job's; left alone")
             else:
                 rt.kube.delete(kube.PDBS, job.namespace, name)
         else:
@@ -1336,19 +1339,24 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
                        (kube.NETWORKPOLICIES, api.network_policy_name(name)),
                        (kube.PDBS, api.disruption_budget_name(name)),
                        (kube.CONFIGMAPS, api.config_map_name(name)), (kube.SECRETS, api.secret_name(name))):
-        try:
-            if key == kube.RAYCLUSTERS and foreign_cluster:
-                continue
-            if key in (kube.NETWORKPOLICIES, kube.PDBS, kube.CONFIGMAPS, kube.SECRETS):
-                # read first: only the job's own is deleted (the RayService is found by the index, by label)
+        if key == kube.RAYCLUSTERS and (foreign_cluster or cluster_error is not None):
+            continue  # another's, or its owner unknown (the GET failed: in problems, so retried; else the GC's)
+        if key in (kube.NETWORKPOLICIES, kube.PDBS, kube.CONFIGMAPS, kube.SECRETS):
+            # read back first: only the job's own is deleted. (The RayService is deleted by name, as before: the
+            # chart grants no GET on RayServices.)
+            try:
                 current = rt.kube.get(key, namespace, child)
-                if current is None:
-                    continue
-                try:
-                    check_child_owned(owner, key, current, allow_unowned=key == kube.SECRETS)
-                except ChildConflict as e:
-                    logger.info(f"not deleted: {e}")
-                    continue
+            except kube.KubeError as e:
+                problems.append(f"get {key.split('/')[-1]}/{child}: {e}")
+                continue
+            if current is None:
+                continue
+            try:
+                check_child_owned(owner, key, current, allow_unowned=key == kube.SECRETS)
+            except ChildConflict as e:
+                logger.info(f"not deleted: {e}")
+                continue
+        try:
             rt.kube.delete(key, namespace, child)
         except kube.KubeError as e:
             problems.append(f"delete {key.split('/')[-1]}/{child}: {e}")

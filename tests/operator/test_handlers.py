@@ -740,11 +740,29 @@ def test_the_finalizer_deletes_the_jobs_children_and_leaves_objects_it_does_not_
 
     rt = Runtime(settings=OperatorSettings(request_timeout=1.0), metrics=OperatorMetrics())
     rt.kube = Held()
-    finalize(rt, _deleted_body("Succeeded"), logging.getLogger("test"))
+    asked: list[str] = []
+
+    class Jobs:  # a Ray client double: records the heads asked to stop a job
+        def __init__(self, url: str) -> None:
+            self.url = url
+
+        def stop(self, submission_id: str) -> bool:
+            asked.append(self.url)
+            return True
+
+    rt.ray_jobs = lambda url, token=None: Jobs(url)
+    body = _deleted_body("Succeeded")
+    assert body["status"]["submissionId"]  # with the job's own ready RayCluster, finalize would stop it on its head
+    finalize(rt, body, logging.getLogger("test"))
     assert sorted(rt.kube.deleted) == sorted([("rayservices", api.rayservice_name("local-tiny")),
                                               ("networkpolicies", api.network_policy_name("local-tiny")),
                                               ("secrets", api.secret_name("local-tiny"))])
-    assert "http://10.0.0.5:8265" not in rt.ray  # no client was made for the foreign head
+    assert asked == []  # nothing was asked of the foreign head
+    # the same RayCluster owned by the job: its Ray job is stopped there and it is deleted
+    objects[("rayclusters", "local-tiny-ray")]["metadata"]["ownerReferences"] = mine
+    rt.kube = Held()
+    finalize(rt, body, logging.getLogger("test"))
+    assert asked == ["http://10.0.0.5:8265"] and ("rayclusters", "local-tiny-ray") in rt.kube.deleted
 
 
 def test_missing_workers_are_counted_against_the_raycluster_not_an_edited_spec() -> None:
@@ -870,9 +888,11 @@ def test_the_disruption_budget_is_made_once_and_follows_the_field() -> None:
     assert rt.kube.calls == [("get", name), ("delete", name)] and not rt.kube.objects
 
 
-def test_a_budget_of_that_name_the_job_does_not_own_is_left_alone_and_said_once() -> None:
-    """Someone else's PodDisruptionBudget named ``<job>-ray``: neither taken as the job's nor deleted when
-    checkpointOnDrain is off; ChildConflict names its owner, once per process (the caller logs it as a warning)."""
+def test_a_budget_of_that_name_the_job_does_not_own_is_left_alone() -> None:
+    """Someone else's PodDisruptionBudget named ``<job>-ray``. With checkpointOnDrain on: not taken as the job's,
+    ChildConflict names its owner (the caller logs it as a warning), looked at again only after
+    BUDGET_CONFLICT_RETRY_SECONDS, and once its owner has deleted it the job's budget is made. With it off: not
+    deleted, and nothing more to do (no error, no further call)."""
     from daedalus_operator import resources
     from daedalus_operator.handlers import BUDGET_CONFLICT_RETRY_SECONDS, ChildConflict, disruption_budget_once
 
@@ -880,26 +900,28 @@ def test_a_budget_of_that_name_the_job_does_not_own_is_left_alone_and_said_once(
     foreign = resources.build_disruption_budget(_job_with(True))
     foreign["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "web",
                                                "uid": "1111", "controller": True}]
-    for want in (True, False):
-        rt = _rt()
-        rt.kube = BudgetAPI(exists=foreign)
-        with pytest.raises(ChildConflict, match=r"PodDisruptionBudget ml/local-tiny-ray exists and is not this "
-                                                r"job's \(Deployment web\)"):
-            disruption_budget_once(rt, _job_with(want))
-        disruption_budget_once(rt, _job_with(want))  # not looked at again on every reconcile
-        assert rt.kube.objects[name] is foreign
-        assert [verb for verb, _ in rt.kube.calls] == (["create", "get"] if want else ["get"])
-        # its owner deletes it; a minute later (BUDGET_CONFLICT_RETRY_SECONDS) the job's wish is carried out
-        del rt.kube.objects[name]
-        made = rt.children(_job_with(want).uid)
-        assert made.budget is None and made.budget_conflict is not None
-        made.budget_conflict -= BUDGET_CONFLICT_RETRY_SECONDS + 1
-        disruption_budget_once(rt, _job_with(want))
-        assert made.budget is want and made.budget_conflict is None
-        assert (name in rt.kube.objects) is want
-        if want:
-            # the budget made is the job's own
-            assert rt.kube.objects[name]["metadata"]["ownerReferences"][0]["uid"] == _job_with(want).uid
+    rt = _rt()
+    rt.kube = BudgetAPI(exists=foreign)
+    with pytest.raises(ChildConflict, match=r"PodDisruptionBudget ml/local-tiny-ray exists and is not this "
+                                            r"job's \(Deployment web\)"):
+        disruption_budget_once(rt, _job_with(True))
+    disruption_budget_once(rt, _job_with(True))  # not looked at again on every reconcile
+    assert rt.kube.objects[name] is foreign and rt.kube.calls == [("create", name), ("get", name)]
+    # its owner deletes it; a minute later (BUDGET_CONFLICT_RETRY_SECONDS) the job's budget is made
+    del rt.kube.objects[name]
+    made = rt.children(_job_with(True).uid)
+    assert made.budget is None and made.budget_conflict is not None
+    made.budget_conflict -= BUDGET_CONFLICT_RETRY_SECONDS + 1
+    disruption_budget_once(rt, _job_with(True))
+    assert made.budget is True and made.budget_conflict is None
+    assert rt.kube.objects[name]["metadata"]["ownerReferences"][0]["uid"] == _job_with(True).uid
+
+    rt = _rt()
+    rt.kube = BudgetAPI(exists=foreign)
+    for _ in range(3):
+        disruption_budget_once(rt, _job_with(False))
+    assert rt.kube.objects[name] is foreign and rt.kube.calls == [("get", name)]
+    assert rt.children(_job_with(False).uid).budget is False
 
 
 def test_a_server_without_policy_v1_is_told_once_and_a_refusal_is_retried(caplog) -> None:

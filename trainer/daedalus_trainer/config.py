@@ -1340,7 +1340,7 @@ def dropped_null_notes(doc: Any, job: RLTrainingJob) -> list[str]:
     for parts in dropped:
         value: Any = values
         for part in parts:
-            if isinstance(part, int):
+            if type(part) is int:
                 value = value[part] if isinstance(value, list) and part < len(value) else None
             else:
                 value = value.get(part) if isinstance(value, dict) else None
@@ -1358,7 +1358,7 @@ def _dotted(parts: tuple[str | int, ...]) -> str:
     label such as ``topology.kubernetes.io/zone``) in quotes."""
     out = ""
     for part in parts:
-        if isinstance(part, int):
+        if type(part) is int:
             out += f"[{part}]"
         else:
             text = f'"{part}"' if "." in part else part

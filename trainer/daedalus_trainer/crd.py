@@ -300,9 +300,9 @@ def prune_nulls(obj: Any, schema: dict[str, Any] | None = None, dropped: list[tu
                 out[key] = value
             elif value is None and not sub.get("nullable", False):
                 if dropped is not None:
-                    dropped.append((*_path, key))
+                    dropped.append((*_path, str(key)))  # a YAML key may be a number or a boolean
             else:
-                out[key] = prune_nulls(value, sub, dropped, (*_path, key))
+                out[key] = prune_nulls(value, sub, dropped, (*_path, str(key)))
         return out
     if isinstance(obj, list) and isinstance(schema.get("items"), dict):
         return [prune_nulls(item, schema["items"], dropped, (*_path, i)) for i, item in enumerate(obj)]
