@@ -35,7 +35,6 @@ import ipaddress
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -137,11 +136,10 @@ def find_binaries() -> Binaries:
 
 
 def free_port() -> int:
-    """A TCP port free on every address a moment ago (the kernel's choice for port 0; not loopback alone, since the
-    operator's metrics server listens on all addresses)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+    """A TCP port free on every address a moment ago, outside the ephemeral range (``ray_head.free_port``)."""
+    from ray_head import free_port as pick
+
+    return pick()
 
 
 # --------------------------------------------------------------------------------------------------- PKI

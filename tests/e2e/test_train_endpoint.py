@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,9 +28,9 @@ TOKEN = "s3cret-token"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from ray_head import free_port
+
+    return free_port()
 
 
 def _samples(text: str) -> dict[str, float]:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from obslib import QUEUED_JOB, QUEUED_NAMESPACE, RULES, Prometheus, require_binary
+from obslib import QUEUED_JOB, QUEUED_NAMESPACE, RULES, Prometheus, free_port, require_binary
 
 #: RLTrainingJob identity the exporters report (labels `job` and `namespace`).
 JOB = "maze-tiny"
@@ -52,7 +52,6 @@ def trainer_exporter(sft_start, tmp_path_factory) -> Iterator[Exporter | Missing
     endpoint while it trains. `drive()` waits for the run to finish."""
     import json
     import os
-    import socket
     import subprocess
     import sys
 
@@ -66,9 +65,7 @@ def trainer_exporter(sft_start, tmp_path_factory) -> Iterator[Exporter | Missing
     job["spec"]["model"]["sftAdapter"] = str(sft_start)
     work = tmp_path_factory.mktemp("trainer-run")
     (work / "config.json").write_text(json.dumps(job))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, DAEDALUS_METRICS_PORT=str(port), DAEDALUS_METRICS_HOST="127.0.0.1",
                DAEDALUS_CONTROL_TOKEN="t", OMP_NUM_THREADS="1", DAEDALUS_METRICS_LINGER_SECONDS="900")
     env.pop("RAY_ADDRESS", None)

@@ -11,7 +11,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -114,10 +113,10 @@ def alert_names() -> list[str]:
 
 
 def free_port() -> int:
-    """A TCP port free on every address a moment ago (see ray_head.free_port for why not loopback alone)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """A TCP port free on every address a moment ago, outside the ephemeral range (``ray_head.free_port``)."""
+    from ray_head import free_port as pick
+
+    return pick()
 
 
 class Prometheus:

@@ -65,14 +65,24 @@ def distinct_free_ports(n: int, lo: int = HEAD_PORTS[0], hi: int = HEAD_PORTS[1]
             s.close()
 
 
-def free_port(lo: int | None = None, hi: int | None = None) -> int:
-    """A TCP port free on every address right now (any, or within [lo, hi]).
+#: Where :func:`free_port` picks by default: outside the ephemeral range for the reason :data:`HEAD_PORTS` gives
+#: (once the operator's liveness port, picked by binding port 0, was taken before kopf bound it: its health
+#: reporter failed and the operator under test stopped), and outside the ranges the heads use (GCS 20000-24999).
+SERVER_PORTS = (25000, 29999)
+
+
+def free_port(lo: int = SERVER_PORTS[0], hi: int = SERVER_PORTS[1]) -> int:
+    """A TCP port in [lo, hi] free on every address right now, for a server a test starts (operator ports, the
+    control plane's, Prometheus, a trainer's endpoint).
 
     Bound on all addresses, not 127.0.0.1 alone: the operator's metrics server listens on all of them, and a port free
     on loopback can be held on the machine's own address (Ray's worker processes take ephemeral ports there), which
-    made ``--metrics-port`` fail with EADDRINUSE in two e2e tests of one CI run."""
+    made ``--metrics-port`` fail with EADDRINUSE in two e2e tests of one CI run.
+
+    Raises:
+        RuntimeError: no free port found in 200 tries."""
     for _ in range(200):
-        port = 0 if lo is None else random.randint(lo, hi)
+        port = random.randint(lo, hi)
         with socket.socket() as s:
             try:
                 s.bind(("", port))
@@ -133,7 +143,7 @@ def start_ray_head(num_cpus: int = 2, timeout: float = 120.0, env: dict[str, str
     venv_bin = Path(sys.executable).parent
     ray = venv_bin / "ray"
     temp_dir = Path(tempfile.mkdtemp(prefix="dray-", dir="/tmp"))
-    gcs = free_port(20000, 29999)
+    gcs = free_port(20000, 24999)
     names = ("dashboard", "client", "agent_http", "agent_grpc", "runtime_env", "metrics", "node_manager",
              "object_manager")
     ports = dict(zip(names, distinct_free_ports(len(names))))
