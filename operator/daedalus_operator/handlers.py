@@ -503,7 +503,7 @@ def gather(rt: Runtime, job: JobView, indexes: dict[str, Any]) -> Observed:
     trainer = TrainerObservation()
     if ray_job.state.active and cluster.control_url:
         trainer = TrainerControl(cluster.control_url, timeout=rt.settings.request_timeout).status()
-    serving = bool(_store_values(indexes.get("services_by_job"), key))
+    serving = any(owned_by(sv, job.uid) for sv in _store_values(indexes.get("services_by_job"), key))
     return Observed(cluster=cluster, ray_job=ray_job, trainer=trainer, health=health,
                     checkpoint_call=rt.calls.get(st.submission_id), serving_exists=serving)
 
@@ -531,7 +531,7 @@ class ChildConflict(RuntimeError):
 
 #: Kinds of child objects by API key, as messages name them.
 CHILD_KINDS = {kube.CONFIGMAPS: "ConfigMap", kube.SECRETS: "Secret", kube.NETWORKPOLICIES: "NetworkPolicy",
-               kube.PDBS: "PodDisruptionBudget", kube.RAYCLUSTERS: "RayCluster"}
+               kube.PDBS: "PodDisruptionBudget", kube.RAYCLUSTERS: "RayCluster", kube.RAYSERVICES: "RayService"}
 
 
 def owned_by(body: dict[str, Any] | None, uid: str) -> bool:
@@ -747,6 +747,8 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
         kube.KubeError: a Kubernetes API call failed (``EnsureChildren``, ``DeleteCluster``, ``DeletePods``,
             ``EnsureServing``, reading the token Secret for ``RequestCheckpoint``).
         RuntimeError: Ray refused a submission or a stop for another reason (the message says why).
+        ChildConflict: (a ``RuntimeError``) a child's name is held by an object the job does not own
+            (``EnsureChildren``, ``EnsureServing``: :func:`check_child_owned`).
         ValueError: the job's spec is invalid, or its serving LoRA URI is not an object-store URI.
         TypeError: ``action`` is not one of the :data:`~daedalus_operator.plan.Action` types (never for a plan's).
     """
@@ -803,6 +805,9 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
         except kube.KubeError as e:
             if not e.conflict:
                 raise
+            current = k.get(kube.RAYSERVICES, job.namespace, body["metadata"]["name"])
+            if current is not None:  # ours with the index lagging, or another's: ChildConflict then
+                check_child_owned(resources.owner_reference(job), kube.RAYSERVICES, current)
     else:  # pragma: no cover - the Action union is closed
         raise TypeError(f"unknown action {action!r}")
 
@@ -1341,9 +1346,7 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
                        (kube.CONFIGMAPS, api.config_map_name(name)), (kube.SECRETS, api.secret_name(name))):
         if key == kube.RAYCLUSTERS and (foreign_cluster or cluster_error is not None):
             continue  # another's, or its owner unknown (the GET failed: in problems, so retried; else the GC's)
-        if key in (kube.NETWORKPOLICIES, kube.PDBS, kube.CONFIGMAPS, kube.SECRETS):
-            # read back first: only the job's own is deleted. (The RayService is deleted by name, as before: the
-            # chart grants no GET on RayServices.)
+        if key != kube.RAYCLUSTERS:  # read back first (the RayCluster was, above): only the job's own is deleted
             try:
                 current = rt.kube.get(key, namespace, child)
             except kube.KubeError as e:

@@ -42,13 +42,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 # The operator's API footprint (issue 6; keep in sync with operator/daedalus_operator). (group, resource) -> verbs.
 # kopf lists, watches, PATCHes and POSTs core/v1 Events; the operator's client GETs, POSTs, PATCHes and DELETEs.
-# Nothing PUTs (update), reads a /status subresource, GETs a pod, node or RayService, or uses events.k8s.io.
+# Nothing PUTs (update), reads a /status subresource, GETs a pod or node, or uses events.k8s.io.
 NAMESPACED_RULES = {
     ("daedalus.dev", "rltrainingjobs"): {"get", "list", "watch", "patch"},
     ("daedalus.dev", "rltrainingjobs/status"): {"patch"},
     ("daedalus.dev", "rltrainingjobs/finalizers"): {"update"},   # blockOwnerDeletion (OwnerReferencesPermission...)
     ("ray.io", "rayclusters"): {"get", "list", "watch", "create", "delete"},
-    ("ray.io", "rayservices"): {"list", "watch", "create", "delete"},
+    ("ray.io", "rayservices"): {"get", "list", "watch", "create", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("", "secrets"): {"get", "create", "delete"},
     ("", "pods"): {"list", "watch", "delete"},

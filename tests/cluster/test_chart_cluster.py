@@ -65,8 +65,10 @@ OPERATOR_CALLS = [
     ("get", "", "configmaps", ""),
     ("patch", "", "configmaps", ""),
     ("get", "", "secrets", ""),
-    # handlers.disruption_budget_once, handlers.finalize: an existing budget is read back to check it is the job's.
+    # handlers.disruption_budget_once, execute(EnsureServing), handlers.finalize: an existing budget or RayService
+    # is read back to check it is the job's.
     ("get", "policy", "poddisruptionbudgets", ""),
+    ("get", "ray.io", "rayservices", ""),
     # handlers.ensure_network_policy: an existing policy's digest is read and, when outdated, patched.
     ("get", "networking.k8s.io", "networkpolicies", ""),
     ("patch", "networking.k8s.io", "networkpolicies", ""),
@@ -96,13 +98,12 @@ NOT_GRANTED = [
     *[(verb, "policy", "poddisruptionbudgets", "") for verb in ("list", "patch")],
     ("create", "", "pods", "eviction"),
     # Nothing PUTs (kopf and the operator's client write with PATCH), reads a /status subresource, patches a Ray
-    # object, GETs a pod, node or RayService, patches an Event or uses events.k8s.io.
+    # object, GETs a pod or node, patches an Event or uses events.k8s.io.
     ("update", "daedalus.dev", "rltrainingjobs", ""),
     ("update", "daedalus.dev", "rltrainingjobs", "status"),
     ("get", "daedalus.dev", "rltrainingjobs", "status"),
     *[(verb, "ray.io", resource, "") for verb in ("patch", "update") for resource in ("rayclusters", "rayservices")],
     ("get", "ray.io", "rayclusters", "status"),
-    ("get", "ray.io", "rayservices", ""),
     ("get", "", "pods", ""),
     ("get", "", "nodes", ""),
     ("patch", "", "events", ""),

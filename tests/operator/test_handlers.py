@@ -714,10 +714,10 @@ def test_finalizing_a_job_drops_its_ray_client_and_unreadable_status_record() ->
 
 
 def test_the_finalizer_deletes_the_jobs_children_and_leaves_objects_it_does_not_own() -> None:
-    """Each child's name read back before its delete: the job's own NetworkPolicy and its Secret (one without a
-    controller owner counts: a token replaced by hand) are deleted; a RayCluster and a ConfigMap of someone else and
-    the budget of an earlier job of the same name are not (no Ray call to the foreign head either). The RayService,
-    found by label in the kopf index, is deleted by name as before."""
+    """Each child's name read back before its delete: the job's own RayService and NetworkPolicy and its Secret (one
+    without a controller owner counts: a token replaced by hand) are deleted; a RayCluster and a ConfigMap of
+    someone else and the budget of an earlier job of the same name are not (no Ray call to the foreign head
+    either)."""
     from daedalus_operator.handlers import finalize
 
     uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
@@ -732,6 +732,7 @@ def test_the_finalizer_deletes_the_jobs_children_and_leaves_objects_it_does_not_
         ("secrets", api.secret_name("local-tiny")): {"metadata": {}},
         ("networkpolicies", api.network_policy_name("local-tiny")): {"metadata": {"ownerReferences": mine}},
         ("poddisruptionbudgets", api.disruption_budget_name("local-tiny")): {"metadata": {"ownerReferences": earlier}},
+        ("rayservices", api.rayservice_name("local-tiny")): {"metadata": {"ownerReferences": mine}},
     }
 
     class Held(NoChildren):
@@ -944,3 +945,50 @@ def test_a_server_without_policy_v1_is_told_once_and_a_refusal_is_retried(caplog
     rt.kube.fail = None
     disruption_budget_once(rt, _job_with(True))
     assert len(rt.kube.calls) == 3 and rt.kube.objects
+
+
+# ------------------------------------------------------------------------------------------------ serving
+def test_a_rayservice_name_held_by_another_object_is_a_conflict_and_not_the_jobs_serving() -> None:
+    """EnsureServing's create answered 409: the RayService is read back; the job's own (the index lagging) is
+    fine, another's raises ChildConflict naming it. gather counts only a RayService the job owns as its serving."""
+    from daedalus_operator import kube, resources
+    from daedalus_operator.handlers import ChildConflict
+    from daedalus_operator.plan import EnsureServing
+
+    doc = yaml.safe_load((ROOT / "examples" / "hyperpod-qwen3vl-8b.yaml").read_text())
+    doc["metadata"].update(namespace="ml", uid="0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", generation=1,
+                           annotations={resources.SERVING_LORA_URI_ANNOTATION: "s3://bucket/daedalus/exports/"})
+    doc["spec"].setdefault("serving", {})["enabled"] = True
+    job = job_view(doc)
+    ours = resources.build_rayservice(job, job.serving_lora_uri)
+    name = ours["metadata"]["name"]
+    theirs = {**ours, "metadata": {**ours["metadata"], "ownerReferences": [
+        {"apiVersion": "apps/v1", "kind": "Deployment", "name": "web", "uid": "1111", "controller": True}]}}
+
+    class Existing:
+        def __init__(self, body: dict) -> None:
+            self.body, self.calls = body, []
+
+        def create(self, key: str, namespace: str, body: dict) -> dict:
+            self.calls.append(("create", key))
+            raise kube.KubeError(409, "AlreadyExists", "exists")
+
+        def get(self, key: str, namespace: str, got: str) -> dict | None:
+            self.calls.append(("get", key))
+            return self.body if got == name else None
+
+    rt = _rt()
+    observed = Observed(cluster=ClusterState())
+    rt.kube = Existing(ours)
+    execute(rt, job, observed, EnsureServing("/checkpoints/exports/adapter"), logging.getLogger("test"))
+    assert rt.kube.calls == [("create", kube.RAYSERVICES), ("get", kube.RAYSERVICES)]
+    rt.kube = Existing(theirs)
+    with pytest.raises(ChildConflict, match=f"RayService ml/{name} exists and is not this job's \\(Deployment web\\)"):
+        execute(rt, job, observed, EnsureServing("/checkpoints/exports/adapter"), logging.getLogger("test"))
+
+    def serving_seen(body: dict) -> bool:
+        indexes = {"pods_by_job": None, "nodes_by_name": None, "clusters_by_job": None,
+                   "services_by_job": Index({("ml", job.name): [body]})}
+        return gather(_rt(), job, indexes).serving_exists
+
+    assert serving_seen(ours) and not serving_seen(theirs)

@@ -96,13 +96,14 @@ cluster-wide mode and by one Role per watched namespace otherwise. Keep in sync 
   resources: ["rltrainingjobs/finalizers"]
   verbs: ["update"]
 # Children: the job's RayCluster (kopf index; one GET right after creating it; deleted to recreate it) and, with
-# serving enabled, the RayService (kopf index; created once, deleted by the finalizer). Never patched.
+# serving enabled, the RayService (kopf index; created once, deleted by the finalizer). Never patched. Each is read
+# back by name after a create answered 409, or before the finalizer deletes it, to check it is the job's.
 - apiGroups: ["ray.io"]
   resources: ["rayclusters"]
   verbs: ["get", "list", "watch", "create", "delete"]
 - apiGroups: ["ray.io"]
   resources: ["rayservices"]
-  verbs: ["list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 # Children: the resolved trainer config (created, read back and patched when the spec changes, deleted by the
 # finalizer) and the control-token Secret (created once, its token read back, deleted by the finalizer). By name
 # only: no list or watch of other workloads' Secrets and ConfigMaps.
