@@ -542,8 +542,8 @@ def owned_by(body: dict[str, Any] | None, uid: str) -> bool:
 
 
 def check_child_owned(owner: dict[str, Any], key: str, body: dict[str, Any], allow_unowned: bool = False) -> None:
-    """Refuse a child that a create was answered 409 for (read back as ``body``; ``key``: its API, e.g.
-    ``kube.CONFIGMAPS``) unless it is the job's own: an owner reference to the uid of ``owner`` (the job's
+    """Refuse a child read back by :func:`read_back_own` (``body``; after a create answered 409, or before the
+    finalizer deletes it; ``key``: its API, e.g. ``kube.CONFIGMAPS``) unless it is the job's own: an owner reference to the uid of ``owner`` (the job's
     :func:`resources.owner_reference`). With ``allow_unowned`` an object without a controller reference is taken
     too: the token Secret, which a user may replace by hand (docs/deploy.md). Objects made by this operator for
     the job always carry the reference, so the usual 409 (after an operator restart) passes; the caller's GET that
@@ -569,6 +569,22 @@ def check_child_owned(owner: dict[str, Any], key: str, body: dict[str, Any], all
     owners = ", ".join(f"{r.get('kind')} {r.get('name')}" for r in refs) or "no owner reference"
     raise ChildConflict(f"{what} exists and is not this job's ({owners}): the operator neither changes nor uses "
                         f"another object; delete or rename it, or give the job another name")
+
+
+def read_back_own(k: kube.KubeAPI, key: str, namespace: str, name: str, owner: dict[str, Any],
+                  allow_unowned: bool = False) -> dict[str, Any] | None:
+    """GET the child ``key``/``namespace``/``name`` (one whose create was answered 409, or one about to be deleted)
+    and return it if it is the job's (:func:`check_child_owned`; ``owner``: the job's owner reference), ``None``
+    if it is gone.
+
+    Raises:
+        kube.KubeError: the GET failed.
+        ChildConflict: the object is not the job's.
+    """
+    current = k.get(key, namespace, name)
+    if current is not None:
+        check_child_owned(owner, key, current, allow_unowned=allow_unowned)
+    return current
 
 
 def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> None:
@@ -601,9 +617,8 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
         except kube.KubeError as e:
             if not e.conflict:
                 raise
-            current = k.get(kube.CONFIGMAPS, job.namespace, cm["metadata"]["name"]) or {}
-            if current:
-                check_child_owned(resources.owner_reference(job), kube.CONFIGMAPS, current)
+            current = read_back_own(k, kube.CONFIGMAPS, job.namespace, cm["metadata"]["name"],
+                                    resources.owner_reference(job)) or {}
             if current.get("data") != cm["data"]:
                 k.patch(kube.CONFIGMAPS, job.namespace, cm["metadata"]["name"], {"data": cm["data"]})
         made.present.add(kube.CONFIGMAPS)
@@ -631,9 +646,9 @@ def ensure_children(rt: Runtime, job: JobView, cluster_exists: bool = False) -> 
         except kube.KubeError as e:
             if not e.conflict:
                 raise
-            current = k.get(key, job.namespace, body["metadata"]["name"])
-            if current is not None:  # else deleted since: created at the next reconcile
-                check_child_owned(resources.owner_reference(job), key, current, allow_unowned=key == kube.SECRETS)
+            # gone since: created at the next reconcile
+            read_back_own(k, key, job.namespace, body["metadata"]["name"], resources.owner_reference(job),
+                          allow_unowned=key == kube.SECRETS)
             if key == kube.SECRETS:  # exists, perhaps replaced since this process cached a token: read it again
                 rt.tokens.pop(job.uid, None)
         if key == kube.RAYCLUSTERS:
@@ -703,10 +718,8 @@ def disruption_budget_once(rt: Runtime, job: JobView) -> None:
                                 f"checkpoint")
                 elif not e.conflict:
                     raise
-                else:
-                    current = rt.kube.get(kube.PDBS, job.namespace, name)
-                    if current is not None:  # else deleted since: made.budget is True, made again with the next cluster
-                        check_child_owned(owner, kube.PDBS, current)
+                else:  # gone since: made.budget is True, made again with the next cluster
+                    read_back_own(rt.kube, kube.PDBS, job.namespace, name, owner)
     except ChildConflict:
         made.budget_conflict = now
         raise
@@ -729,9 +742,7 @@ def ensure_network_policy(k: kube.KubeAPI, body: dict[str, Any]) -> None:
     except kube.KubeError as e:
         if not e.conflict:
             raise
-    current = k.get(kube.NETWORKPOLICIES, meta["namespace"], meta["name"]) or {}
-    if current:
-        check_child_owned(meta["ownerReferences"][0], kube.NETWORKPOLICIES, current)
+    current = read_back_own(k, kube.NETWORKPOLICIES, meta["namespace"], meta["name"], meta["ownerReferences"][0]) or {}
     digest = meta["annotations"][api.SPEC_DIGEST_ANNOTATION]
     if ((current.get("metadata") or {}).get("annotations") or {}).get(api.SPEC_DIGEST_ANNOTATION) != digest:
         k.patch(kube.NETWORKPOLICIES, meta["namespace"], meta["name"],
@@ -805,9 +816,8 @@ def execute(rt: Runtime, job: JobView, observed: Observed, action: Any, logger: 
         except kube.KubeError as e:
             if not e.conflict:
                 raise
-            current = k.get(kube.RAYSERVICES, job.namespace, body["metadata"]["name"])
-            if current is not None:  # ours with the index lagging, or another's: ChildConflict then
-                check_child_owned(resources.owner_reference(job), kube.RAYSERVICES, current)
+            # ours with the index lagging, or another's: ChildConflict then
+            read_back_own(k, kube.RAYSERVICES, job.namespace, body["metadata"]["name"], resources.owner_reference(job))
     else:  # pragma: no cover - the Action union is closed
         raise TypeError(f"unknown action {action!r}")
 
@@ -1348,14 +1358,11 @@ def finalize(rt: Runtime, body: dict[str, Any], logger: Any) -> None:
             continue  # another's, or its owner unknown (the GET failed: in problems, so retried; else the GC's)
         if key != kube.RAYCLUSTERS:  # read back first (the RayCluster was, above): only the job's own is deleted
             try:
-                current = rt.kube.get(key, namespace, child)
+                if read_back_own(rt.kube, key, namespace, child, owner, allow_unowned=key == kube.SECRETS) is None:
+                    continue
             except kube.KubeError as e:
                 problems.append(f"get {key.split('/')[-1]}/{child}: {e}")
                 continue
-            if current is None:
-                continue
-            try:
-                check_child_owned(owner, key, current, allow_unowned=key == kube.SECRETS)
             except ChildConflict as e:
                 logger.info(f"not deleted: {e}")
                 continue

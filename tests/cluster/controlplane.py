@@ -49,6 +49,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
+from ray_head import free_port  # a server port outside the ephemeral range (tests/support is on sys.path)
 
 DEFAULT_KUBE_VERSION = "1.20.2"
 #: The controllers the tests rely on (kube-controller-manager ``--controllers``).
@@ -133,13 +134,6 @@ def find_binaries() -> Binaries:
         raise ControlPlaneUnavailable(f"{bin_dir / 'kube-apiserver'} does not run: {err}; {hint}") from err
     version = reported[-1] if reported else "unknown"
     return Binaries(bin_dir / "kube-apiserver", bin_dir / "kube-controller-manager", Path(etcd), version, stamp)
-
-
-def free_port() -> int:
-    """A TCP port free on every address a moment ago, outside the ephemeral range (``ray_head.free_port``)."""
-    from ray_head import free_port as pick
-
-    return pick()
 
 
 # --------------------------------------------------------------------------------------------------- PKI

@@ -19,18 +19,13 @@ from pathlib import Path
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+from ray_head import free_port
 from support.jobs import tiny_job_dict
 
 from daedalus_trainer.metrics import METRICS
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret-token"
-
-
-def _free_port() -> int:
-    from ray_head import free_port
-
-    return free_port()
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -61,7 +56,7 @@ def _start_trainer(job: dict, sft_start, tmp_path: Path, log) -> tuple[subproces
     job["spec"]["model"]["sftAdapter"] = str(sft_start)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(job))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, DAEDALUS_METRICS_PORT=str(port), DAEDALUS_METRICS_HOST="127.0.0.1",
                DAEDALUS_CONTROL_TOKEN=TOKEN, DAEDALUS_ATTEMPT="1", OMP_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)
@@ -157,7 +152,7 @@ def test_a_tiny_job_without_an_sft_start_says_why_grpo_cannot_learn(tmp_path):
     job["spec"]["model"].pop("sftAdapter", None)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(job))
-    env = dict(os.environ, DAEDALUS_METRICS_PORT=str(_free_port()), DAEDALUS_METRICS_HOST="127.0.0.1",
+    env = dict(os.environ, DAEDALUS_METRICS_PORT=str(free_port()), DAEDALUS_METRICS_HOST="127.0.0.1",
                DAEDALUS_CONTROL_TOKEN=TOKEN, OMP_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)
     out = subprocess.run([sys.executable, "-m", "daedalus_trainer", "train", "--config", str(cfg), "--out",

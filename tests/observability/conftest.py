@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from obslib import QUEUED_JOB, QUEUED_NAMESPACE, RULES, Prometheus, free_port, require_binary
+from obslib import QUEUED_JOB, QUEUED_NAMESPACE, RULES, Prometheus, require_binary
+from ray_head import free_port
 
 #: RLTrainingJob identity the exporters report (labels `job` and `namespace`).
 JOB = "maze-tiny"

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ray_head import free_port  # a server port outside the ephemeral range
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "daedalus"
@@ -110,13 +111,6 @@ def load_rules() -> dict[str, Any]:
 
 def alert_names() -> list[str]:
     return [r["alert"] for g in load_rules()["groups"] for r in g["rules"] if "alert" in r]
-
-
-def free_port() -> int:
-    """A TCP port free on every address a moment ago, outside the ephemeral range (``ray_head.free_port``)."""
-    from ray_head import free_port as pick
-
-    return pick()
 
 
 class Prometheus:

@@ -39,26 +39,32 @@ from pathlib import Path
 HEAD_PORTS = (31100, 32767)
 
 
+def _bound_socket(lo: int, hi: int) -> socket.socket:
+    """A socket bound on every address to a port in [lo, hi] picked at random (the caller closes it).
+
+    Raises:
+        RuntimeError: no free port found in 200 tries."""
+    for _ in range(200):
+        s = socket.socket()
+        try:
+            s.bind(("", random.randint(lo, hi)))
+        except OSError:
+            s.close()
+            continue
+        return s
+    raise RuntimeError(f"no free port in [{lo}, {hi}]")
+
+
 def distinct_free_ports(n: int, lo: int = HEAD_PORTS[0], hi: int = HEAD_PORTS[1]) -> list[int]:
     """``n`` different TCP ports in [lo, hi] free on every address right now: each stays bound until all are chosen,
     so two calls of :func:`free_port` cannot hand out the same port (Ray refuses a head whose components share one).
 
     Raises:
-        RuntimeError: fewer than ``n`` free ports were found in 200 tries per port."""
+        RuntimeError: a free port was not found in 200 tries."""
     socks: list[socket.socket] = []
     try:
         for _ in range(n):
-            for _ in range(200):
-                s = socket.socket()
-                try:
-                    s.bind(("", random.randint(lo, hi)))
-                except OSError:
-                    s.close()
-                    continue
-                socks.append(s)
-                break
-            else:
-                raise RuntimeError(f"fewer than {n} free ports in [{lo}, {hi}]")
+            socks.append(_bound_socket(lo, hi))
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
@@ -81,15 +87,8 @@ def free_port(lo: int = SERVER_PORTS[0], hi: int = SERVER_PORTS[1]) -> int:
 
     Raises:
         RuntimeError: no free port found in 200 tries."""
-    for _ in range(200):
-        port = random.randint(lo, hi)
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError(f"no free port in [{lo}, {hi}]")
+    with _bound_socket(lo, hi) as s:
+        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

@@ -74,9 +74,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         duplicates = duplicate_name_errors(docs)
         for i, doc in enumerate(docs):
             where = f if len(docs) == 1 else f"{f} (RLTrainingJob document {i + 1} of {len(docs)})"
-            errors, note = [], None
+            errors, note, dropped = [], None, []
             try:
-                job = parse_job(doc, source=f)
+                job = parse_job(doc, source=f, dropped=dropped)
             except SpecError as exc:
                 errors.extend(exc.errors)
                 note = exc.note
@@ -87,7 +87,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 continue
             name = escape(repr(job.metadata.name))
             console.print(f"[green]✓[/green] {escape(where)}: RLTrainingJob {name} is valid")
-            for note in dropped_null_notes(doc, job):
+            for note in dropped_null_notes(dropped, job):
                 console.print(f"    [yellow]![/yellow] {escape(note)}")
     return status
 

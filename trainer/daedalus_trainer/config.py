@@ -1174,14 +1174,16 @@ def _errors_from(exc: ValidationError) -> list[tuple[str, str]]:
     return out
 
 
-def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJob:
+def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob",
+              dropped: list[tuple[str | int, ...]] | None = None) -> RLTrainingJob:
     """Validate a manifest dict into an :class:`RLTrainingJob`, as the API server would at ``kubectl apply``.
 
     Every command reads a job through here (``daedalus validate``, and :func:`load_job` for ``run``, ``train``,
     ``sft`` and ``eval``), so all of them require what Kubernetes requires: ``apiVersion``, ``kind``,
     ``metadata.name`` (a DNS label; no default name, see :class:`ObjectMeta`) and ``spec``. A spec field that is null
     where the CRD does not allow null is dropped first, as the API server drops it
-    (:func:`daedalus_trainer.crd.prune_nulls`), and so defaulted.
+    (:func:`daedalus_trainer.crd.prune_nulls`), and so defaulted; ``dropped``, when given, receives the path of
+    each such field (for :func:`dropped_null_notes`).
 
     Raises:
         SpecError: with every problem and its field path (e.g. ``spec.environment.size``).
@@ -1209,7 +1211,7 @@ def parse_job(obj: dict[str, Any], source: str = "RLTrainingJob") -> RLTrainingJ
     if isinstance(obj.get("spec"), dict):
         from daedalus_trainer.crd import prune_nulls  # crd builds its schema from this module
 
-        obj = {**obj, "spec": prune_nulls({"spec": obj["spec"]})["spec"]}
+        obj = {**obj, "spec": prune_nulls({"spec": obj["spec"]}, dropped=dropped)["spec"]}
     # Top-level keys are checked here: a misspelt `spec` is then one error about the spelling (and `spec` missing).
     top = set(_fields_of(RLTrainingJob))
     errors.extend((k, _unknown_field_message((k,))) for k in obj if k not in top)
@@ -1324,18 +1326,12 @@ def duplicate_name_errors(docs: list[Any]) -> dict[int, list[tuple[str, str]]]:
     return out
 
 
-def dropped_null_notes(doc: Any, job: RLTrainingJob) -> list[str]:
-    """One line per field of ``doc``'s spec that :func:`parse_job` dropped as a null the CRD does not allow (the API
-    server drops it the same way, silently: :func:`daedalus_trainer.crd.prune_nulls`), with the value ``job`` (the
-    parsed ``doc``) has in its place: a ``name:`` left empty reads as the default model, which is worth a warning.
-    Empty when nothing was dropped."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):
-        return []
-    from daedalus_trainer.crd import prune_nulls
-
-    dropped: list[tuple[str | int, ...]] = []
-    prune_nulls({"spec": doc["spec"]}, dropped=dropped)
-    values = job.model_dump(by_alias=True, mode="json")
+def dropped_null_notes(dropped: list[tuple[str | int, ...]], job: RLTrainingJob) -> list[str]:
+    """One line per field :func:`parse_job` dropped as a null the CRD does not allow (its ``dropped`` paths; the API
+    server drops such a field the same way, silently: :func:`daedalus_trainer.crd.prune_nulls`), with the value
+    ``job`` (what parse_job returned) has in its place: a ``name:`` left empty reads as the default model, which is
+    worth a warning. Empty when nothing was dropped."""
+    values = job.model_dump(by_alias=True, mode="json") if dropped else {}
     notes = []
     for parts in dropped:
         value: Any = values
@@ -1344,26 +1340,14 @@ def dropped_null_notes(doc: Any, job: RLTrainingJob) -> list[str]:
                 value = value[part] if isinstance(value, list) and part < len(value) else None
             else:
                 value = value.get(part) if isinstance(value, dict) else None
-        path = _dotted(parts)
+        # as the errors write a path; a key holding a dot (a label such as topology.kubernetes.io/zone) in quotes
+        path = _loc_to_path(tuple(f'"{p}"' if isinstance(p, str) and "." in p else p for p in parts))
         if value is None:
             notes.append(f"{path}: empty (null), so dropped, as the API server drops it")
         else:
             notes.append(f"{path}: empty (null), so read as left out, as the API server reads it: the default "
                          f"{json.dumps(value)} applies")
     return notes
-
-
-def _dotted(parts: tuple[str | int, ...]) -> str:
-    """A field path as the errors write it: ``spec.cluster.workerGroups[0].replicas``; a key that holds a dot (a
-    label such as ``topology.kubernetes.io/zone``) in quotes."""
-    out = ""
-    for part in parts:
-        if type(part) is int:
-            out += f"[{part}]"
-        else:
-            text = f'"{part}"' if "." in part else part
-            out += f".{text}" if out else text
-    return out
 
 
 def load_job(path: str | Path) -> RLTrainingJob:
@@ -1388,7 +1372,8 @@ def load_job(path: str | Path) -> RLTrainingJob:
         names = ", ".join(repr(key[1]) if (key := _doc_key(d)) else "unnamed" for d in docs)
         raise SpecError([("(file)", f"holds {len(docs)} RLTrainingJobs ({names}); daedalus run, train, sft and eval "
                                     "take one: split the file (daedalus validate checks them all)")], source)
-    job = parse_job(docs[0], source=source)
-    for note in dropped_null_notes(docs[0], job):
+    dropped: list[tuple[str | int, ...]] = []
+    job = parse_job(docs[0], source=source, dropped=dropped)
+    for note in dropped_null_notes(dropped, job):
         logging.getLogger("daedalus.config").warning("%s: %s", source, note)
     return job

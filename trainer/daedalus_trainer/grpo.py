@@ -512,7 +512,7 @@ class Trainer:
         due, before the evaluation, so the caller does not wait for it; a stop then skips it, and the run resuming
         from that checkpoint evaluates first, so the metric history equals an uninterrupted run's (:meth:`_train`).
         A stop already requested when a resumed run with steps left is about to start its actors is answered by the
-        checkpoint resumed from, and the run returns stopped without starting any (:meth:`_stopped_before_start`).
+        checkpoint resumed from, and the run returns stopped without starting any (:meth:`_without_actors`).
 
         Raises:
             daedalus_trainer.checkpoint.CheckpointCorruptError: the checkpoint to resume from fails verification
@@ -566,9 +566,9 @@ class Trainer:
         self._identity = identity
         manager.abandon_other_timelines(loaded)  # only once nothing can refuse the run any more
         if self.nothing_to_train(loaded):
-            return self._finished_already(loaded, started)
+            return self._without_actors(loaded, started, stopped=False)
         if loaded is not None and loaded.step < self.job.spec.algorithm.steps and self.control.stop_requested():
-            return self._stopped_before_start(loaded, started)
+            return self._without_actors(loaded, started, stopped=True)
         learner, workers = self._actors()
         try:
             return self._train(manager, loaded, sampler, learner, workers, started)
@@ -585,36 +585,34 @@ class Trainer:
         unstarted (another ~6 s there)."""
         return loaded is not None and loaded.step >= self.job.spec.algorithm.steps and not self.final_eval
 
-    def _finished_already(self, loaded: LoadedCheckpoint, started: float) -> TrainResult:
-        """:meth:`train` of a run with :meth:`nothing_to_train`: what the step loop reports for a resume with no step
-        left (status, metrics, ``on_resume``, a request answered by the checkpoint), the adapter exported again
-        (verified against the manifest; a copy, milliseconds), no actor started."""
+    def _without_actors(self, loaded: LoadedCheckpoint, started: float, *, stopped: bool) -> TrainResult:
+        """:meth:`train` of a resumed run that needs no actor: what the step loop reports for a resume that runs no
+        step (status, metrics, ``on_resume``, a waiting request answered by the checkpoint resumed from), no actor
+        started. Two cases:
+
+        - ``stopped=False``: :meth:`nothing_to_train`; the adapter is exported again (verified against the
+          manifest; a copy, milliseconds) and the run is ``finished``.
+        - ``stopped=True``: a resumed run with steps left whose stop (``POST /stop``: a node replacement, a suspend)
+          came in before its actors started. The checkpoint resumed from answers the stop (the state to save is that
+          one) and the run returns ``stopped``. Starting the actors first would keep the caller waiting while every
+          one imports torch and loads the model (13-16 s on an idle 2-core machine, measured in session 30), only to
+          stop at the first step boundary with the same answer. A due evaluation left pending by that checkpoint
+          stays pending: the next resume runs it. (A resume at the last step with a final evaluation to run goes
+          through the step loop: a stop there abandons the evaluation, and the run still exports its adapter.)
+        """
         from daedalus_trainer.checkpoint import export_adapter
 
         info = loaded.info
-        self._announce_resume(loaded, ": the run's last step, nothing left to train")
-        adapter_dir = export_adapter(info, self.run_dir / "exports" / "adapter")
-        self.control.set_status(adapter_path=adapter_dir)
-        if self.control.checkpoint_requested():
+        self._announce_resume(loaded, ": stopped before the actors started" if stopped
+                              else ": the run's last step, nothing left to train")
+        adapter_dir = None
+        if not stopped:
+            adapter_dir = export_adapter(info, self.run_dir / "exports" / "adapter")
+            self.control.set_status(adapter_path=adapter_dir)
+        if self.control.checkpoint_requested():  # a stop is one
             self.control.checkpoint_done(info)
-        self.control.set_status(phase="finished")
-        return TrainResult(info.step, info.step, info, adapter_dir, list(loaded.trainer_state.metric_history), False,
-                           time.perf_counter() - started)
-
-    def _stopped_before_start(self, loaded: LoadedCheckpoint, started: float) -> TrainResult:
-        """:meth:`train` of a resumed run with steps left whose stop (``POST /stop``: a node replacement, a suspend)
-        came in before its actors started: the checkpoint resumed from answers the stop and any checkpoint request
-        (the state to save is that one), and the run returns stopped without starting an actor. (A resume at the last
-        step with a final evaluation to run goes through the step loop as before: a stop there abandons the
-        evaluation, and the run still exports its adapter and finishes.) Starting them first would keep
-        the caller waiting while every actor imports torch and loads the model (13-16 s on CPU here, minutes for a
-        GPU model), only to stop at the first step boundary with the same answer. A due evaluation left pending by
-        that checkpoint stays pending: the next resume runs it."""
-        info = loaded.info
-        self._announce_resume(loaded, ": stopped before the actors started")
-        self.control.checkpoint_done(info)
-        self.control.set_status(phase="stopped")
-        return TrainResult(info.step, info.step, info, None, list(loaded.trainer_state.metric_history), True,
+        self.control.set_status(phase="stopped" if stopped else "finished")
+        return TrainResult(info.step, info.step, info, adapter_dir, list(loaded.trainer_state.metric_history), stopped,
                            time.perf_counter() - started)
 
     def _announce_resume(self, loaded: LoadedCheckpoint, why: str = "") -> None:
